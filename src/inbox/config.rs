@@ -1,0 +1,125 @@
+//! [`InboxConfig`]: how long the inbox remembers a message, checked against how long the
+//! broker may redeliver it.
+
+use std::time::Duration;
+
+const DAY: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// A configuration the inbox refuses to run with.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The TTL is shorter than the broker's redelivery window, so a late redelivery could
+    /// find its inbox row already pruned and be applied a second time.
+    #[error(
+        "inbox ttl of {ttl_days:.1} days is shorter than the broker retention of {retention_days:.1} days: \
+         a redelivery could arrive after its inbox row was pruned and be applied twice; \
+         set the ttl to at least the broker's maximum redelivery window"
+    )]
+    TtlShorterThanRetention {
+        /// The TTL asked for, in days.
+        ttl_days: f64,
+        /// The broker retention, in days.
+        retention_days: f64,
+    },
+    /// The broker retention was zero.
+    #[error(
+        "broker retention is zero: set it to the broker's maximum redelivery window (SQS: 14 days)"
+    )]
+    ZeroRetention,
+    /// More partitions ahead than a year.
+    #[error("partitions_ahead is {0}: create at most 12 months ahead")]
+    TooManyPartitionsAhead(u32),
+}
+
+/// How long the inbox keeps its rows, and how it treats message times.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct InboxConfig {
+    /// How long a message stays deduplicated after the time it is filed under. Must be at
+    /// least [`broker_retention`](Self::broker_retention). Defaults to 30 days.
+    pub ttl: Duration,
+    /// The longest time after publishing that the broker may still deliver a message
+    /// (SQS: 14 days; RabbitMQ and Kafka: their retention settings). Defaults to 14 days.
+    pub broker_retention: Duration,
+    /// How far in the future a message's time may lie (a producer whose clock runs
+    /// ahead) before it is refused as [`InboxError::PublishedInFuture`](crate::InboxError).
+    /// Defaults to 1 day.
+    pub max_future_skew: Duration,
+    /// How many months after the current one get their partition created ahead of time
+    /// by [`InboxGuard::prepare_partitions`](crate::InboxGuard::prepare_partitions).
+    /// Defaults to 2.
+    pub partitions_ahead: u32,
+}
+
+impl Default for InboxConfig {
+    fn default() -> Self {
+        Self {
+            ttl: 30 * DAY,
+            broker_retention: 14 * DAY,
+            max_future_skew: DAY,
+            partitions_ahead: 2,
+        }
+    }
+}
+
+impl InboxConfig {
+    /// Sets [`ttl`](Self::ttl).
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// Sets [`broker_retention`](Self::broker_retention).
+    pub fn with_broker_retention(mut self, retention: Duration) -> Self {
+        self.broker_retention = retention;
+        self
+    }
+
+    /// Sets [`max_future_skew`](Self::max_future_skew).
+    pub fn with_max_future_skew(mut self, skew: Duration) -> Self {
+        self.max_future_skew = skew;
+        self
+    }
+
+    /// Sets [`partitions_ahead`](Self::partitions_ahead).
+    pub fn with_partitions_ahead(mut self, months: u32) -> Self {
+        self.partitions_ahead = months;
+        self
+    }
+
+    /// Checks the configuration is safe: the TTL covers the broker's redelivery window.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.broker_retention.is_zero() {
+            return Err(ConfigError::ZeroRetention);
+        }
+        if self.ttl < self.broker_retention {
+            return Err(ConfigError::TtlShorterThanRetention {
+                ttl_days: self.ttl.as_secs_f64() / DAY.as_secs_f64(),
+                retention_days: self.broker_retention.as_secs_f64() / DAY.as_secs_f64(),
+            });
+        }
+        if self.partitions_ahead > 12 {
+            return Err(ConfigError::TooManyPartitionsAhead(self.partitions_ahead));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttl_shorter_than_retention_is_refused() {
+        let config = InboxConfig::default().with_ttl(7 * DAY);
+        let err = config.validate().unwrap_err();
+        assert!(matches!(err, ConfigError::TtlShorterThanRetention { .. }));
+        assert!(
+            err.to_string()
+                .contains("shorter than the broker retention of 14.0 days")
+        );
+        assert!(InboxConfig::default().validate().is_ok());
+        assert!(InboxConfig::default().with_ttl(14 * DAY).validate().is_ok());
+    }
+}

@@ -1,0 +1,94 @@
+//! Errors of the inbox ([`InboxError`]) and of one guarded call ([`GuardError`]).
+
+use chrono::{DateTime, Utc};
+
+use crate::envelope::MessageId;
+use crate::inbox::ConfigError;
+use crate::month::{Month, MonthError};
+
+/// What went wrong in the inbox itself (not in the caller's handler).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InboxError {
+    /// The message was filed longer ago than the TTL: its inbox row may already be pruned,
+    /// so it cannot be deduplicated safely and is refused instead of applied blindly.
+    #[error(
+        "message {message_id} dates from {filed_at}, before the deduplication window that starts at {window_start}: \
+         it may already have been processed and its inbox row pruned, so it is refused; \
+         raise the inbox ttl above the broker's redelivery window, or dead-letter it"
+    )]
+    Expired {
+        /// The refused message.
+        message_id: MessageId,
+        /// The time the message is filed under (UUIDv7 time or publish time).
+        filed_at: DateTime<Utc>,
+        /// The oldest time still inside the window (now − ttl).
+        window_start: DateTime<Utc>,
+    },
+    /// The message's time lies further in the future than the allowed clock skew.
+    #[error(
+        "message {message_id} dates from {filed_at}, more than the allowed skew ahead of now ({now}): \
+         fix the producer's clock or raise max_future_skew"
+    )]
+    PublishedInFuture {
+        /// The refused message.
+        message_id: MessageId,
+        /// The time the message is filed under.
+        filed_at: DateTime<Utc>,
+        /// The inbox's current time.
+        now: DateTime<Utc>,
+    },
+    /// A time outside what partitions can name.
+    #[error("message time out of range: {0}")]
+    Month(#[from] MonthError),
+    /// A configuration the inbox refuses.
+    #[error("invalid inbox configuration: {0}")]
+    Config(#[from] ConfigError),
+    /// A database URL this build cannot open.
+    #[error(
+        "unsupported database url {0:?}: use postgres://… or sqlite:… (and the matching cargo feature)"
+    )]
+    UnsupportedUrl(String),
+    /// The partition for a month could not be found where it was expected.
+    #[error(
+        "inbox partition for {0} is missing; run `sagabox migrate` or the pruner to create partitions"
+    )]
+    MissingPartition(Month),
+    /// Running the migrations failed.
+    #[error("migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    /// The database failed; the transaction was rolled back and nothing was recorded.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+impl InboxError {
+    /// Whether trying the same message again later may succeed (a database or connection
+    /// failure) as opposed to a refusal that will repeat (expired, bad configuration).
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            InboxError::Database(_) | InboxError::MissingPartition(_)
+        )
+    }
+}
+
+/// The error of one [`InboxGuard::process`](crate::InboxGuard::process) call. Either way
+/// the transaction was rolled back: no side effect and no inbox row remain, so a
+/// redelivery is processed normally.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GuardError<E> {
+    /// The handler returned an error.
+    #[error("handler failed: {0}")]
+    Handler(#[source] E),
+    /// The inbox refused the message or the database failed.
+    #[error(transparent)]
+    Inbox(#[from] InboxError),
+}
+
+impl<E> From<sqlx::Error> for GuardError<E> {
+    fn from(error: sqlx::Error) -> Self {
+        GuardError::Inbox(InboxError::Database(error))
+    }
+}

@@ -1,0 +1,287 @@
+//! [`InboxGuard`]: begin → claim → handler → record result → commit, as one call.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use chrono::{DateTime, TimeDelta, Utc};
+use serde_json::Value;
+use sqlx::Transaction;
+
+use crate::clock::{Clock, SystemClock};
+use crate::envelope::{ConsumerType, Envelope};
+use crate::inbox::{ConfigError, GuardError, InboxConfig, InboxError, Outcome};
+use crate::metrics;
+use crate::month::Month;
+use crate::store::{ClaimKey, InboxStore};
+
+/// The dedup gate every consumed message passes.
+///
+/// [`process`](Self::process) runs the caller's handler inside the transaction that
+/// claimed the message, records the handler's result in the same row, and commits once.
+/// A redelivery gets [`Outcome::Duplicate`] with the first delivery's result and applies
+/// nothing. The guard is cheap to clone and safe to share between tasks.
+#[derive(Debug)]
+pub struct InboxGuard<S> {
+    store: Arc<S>,
+    config: InboxConfig,
+    clock: Arc<dyn Clock>,
+    /// Months known to have a partition, so the hot path does no DDL lookups.
+    known_partitions: Arc<Mutex<BTreeSet<Month>>>,
+}
+
+impl<S> Clone for InboxGuard<S> {
+    fn clone(&self) -> Self {
+        Self {
+            store: Arc::clone(&self.store),
+            config: self.config.clone(),
+            clock: Arc::clone(&self.clock),
+            known_partitions: Arc::clone(&self.known_partitions),
+        }
+    }
+}
+
+impl<S: InboxStore> InboxGuard<S> {
+    /// A guard over `store`, refusing an unsafe `config` (a TTL shorter than the broker's
+    /// redelivery window).
+    pub fn new(store: S, config: InboxConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(Self {
+            store: Arc::new(store),
+            config,
+            clock: Arc::new(SystemClock),
+            known_partitions: Arc::default(),
+        })
+    }
+
+    /// Uses `clock` for processing times, expiry and pruning instead of the system clock.
+    pub fn with_clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// The store underneath.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &InboxConfig {
+        &self.config
+    }
+
+    /// The guard's current time.
+    pub fn now(&self) -> DateTime<Utc> {
+        self.clock.now()
+    }
+
+    /// Runs `handler` for `envelope` at most once per `consumer_type`.
+    ///
+    /// In one transaction: claim `(consumer_type, envelope.id)`; if a delivery was already
+    /// recorded, roll back and return [`Outcome::Duplicate`] with its result (the handler
+    /// does not run); otherwise run `handler` with the transaction, record its result in
+    /// the inbox row and commit. A racing delivery of the same key waits for this one to
+    /// end, then sees its result.
+    ///
+    /// A handler error rolls everything back (no inbox row, no side effect) and is
+    /// returned as [`GuardError::Handler`]; so is any database failure, as
+    /// [`GuardError::Inbox`]. Acknowledge the message to its source only after `Ok`.
+    ///
+    /// Refuses, without running the handler, a message filed further back than the TTL
+    /// ([`InboxError::Expired`]) or further ahead than the allowed clock skew
+    /// ([`InboxError::PublishedInFuture`]).
+    pub async fn process<F, E>(
+        &self,
+        consumer_type: &ConsumerType,
+        envelope: &Envelope,
+        handler: F,
+    ) -> Result<Outcome, GuardError<E>>
+    where
+        F: AsyncFnOnce(&mut Transaction<'static, S::Db>, &Envelope) -> Result<Value, E>,
+    {
+        let result = self.process_inner(consumer_type, envelope, handler).await;
+        let label = match &result {
+            Ok(outcome) => outcome.label(),
+            Err(_) => "failed",
+        };
+        metrics::inbox_message(consumer_type, label);
+        result
+    }
+
+    async fn process_inner<F, E>(
+        &self,
+        consumer_type: &ConsumerType,
+        envelope: &Envelope,
+        handler: F,
+    ) -> Result<Outcome, GuardError<E>>
+    where
+        F: AsyncFnOnce(&mut Transaction<'static, S::Db>, &Envelope) -> Result<Value, E>,
+    {
+        let now = self.clock.now();
+        let key = self.placement(consumer_type, envelope, now)?;
+        self.ensure_partition(key.bucket).await?;
+
+        let claim_started = Instant::now();
+        let mut tx = self.store.begin().await?;
+        let first = self.store.claim(&mut tx, &key).await?;
+        metrics::claim_duration(claim_started.elapsed());
+        if let Some(first) = first {
+            tx.rollback().await?;
+            return Ok(Outcome::Duplicate {
+                first_processed_at: first.processed_at,
+                result: first.result,
+            });
+        }
+
+        let result = match handler(&mut tx, envelope).await {
+            Ok(result) => result,
+            Err(error) => {
+                if let Err(rollback) = tx.rollback().await {
+                    // The connection is discarded by the pool; the database rolls back.
+                    tracing::warn!(%rollback, "rollback after handler error failed");
+                }
+                return Err(GuardError::Handler(error));
+            }
+        };
+
+        if !self.store.record(&mut tx, &key, now, &result).await? {
+            // Unreachable while every writer claims first; kept as a second line of
+            // defence: nothing of ours may commit, and the existing row answers.
+            tx.rollback().await?;
+            let mut tx = self.store.begin().await?;
+            let first = self.store.claim(&mut tx, &key).await?;
+            tx.rollback().await?;
+            let first = first.ok_or(InboxError::MissingPartition(key.bucket))?;
+            return Ok(Outcome::Duplicate {
+                first_processed_at: first.processed_at,
+                result: first.result,
+            });
+        }
+        tx.commit().await?;
+        Ok(Outcome::Applied(result))
+    }
+
+    /// Decides where a message is filed and refuses the ones that cannot be deduplicated
+    /// safely. The bucket depends on the message alone when it carries a time, so every
+    /// redelivery — next month too — meets the first one in the same partition.
+    fn placement<'a>(
+        &self,
+        consumer_type: &'a ConsumerType,
+        envelope: &'a Envelope,
+        now: DateTime<Utc>,
+    ) -> Result<ClaimKey<'a>, InboxError> {
+        let message_id = &envelope.id;
+        let Some(filed_at) = envelope.dedup_time() else {
+            return Ok(ClaimKey {
+                consumer_type,
+                message_id,
+                bucket: Month::of(now)?,
+                probe_all: true,
+            });
+        };
+        let window_start = now - to_delta(self.config.ttl);
+        if filed_at < window_start {
+            return Err(InboxError::Expired {
+                message_id: message_id.clone(),
+                filed_at,
+                window_start,
+            });
+        }
+        if filed_at > now + to_delta(self.config.max_future_skew) {
+            return Err(InboxError::PublishedInFuture {
+                message_id: message_id.clone(),
+                filed_at,
+                now,
+            });
+        }
+        Ok(ClaimKey {
+            consumer_type,
+            message_id,
+            bucket: Month::of(filed_at)?,
+            probe_all: false,
+        })
+    }
+
+    async fn ensure_partition(&self, month: Month) -> Result<(), InboxError> {
+        if self.known().contains(&month) {
+            return Ok(());
+        }
+        if self.store.create_partition(month).await? {
+            metrics::partition_created();
+        }
+        self.known().insert(month);
+        Ok(())
+    }
+
+    fn known(&self) -> std::sync::MutexGuard<'_, BTreeSet<Month>> {
+        self.known_partitions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs the migrations, then creates the partitions of the current month and
+    /// [`partitions_ahead`](InboxConfig::partitions_ahead) months after it.
+    pub async fn migrate(&self) -> Result<Vec<Month>, InboxError> {
+        self.store.migrate().await?;
+        self.prepare_partitions().await
+    }
+
+    /// Creates the partitions of the current month and the
+    /// [`partitions_ahead`](InboxConfig::partitions_ahead) months after it. Returns the
+    /// months it created (those that already existed are skipped).
+    pub async fn prepare_partitions(&self) -> Result<Vec<Month>, InboxError> {
+        let current = Month::of(self.clock.now())?;
+        self.create_partitions(current, current.plus(self.config.partitions_ahead))
+            .await
+    }
+
+    /// Creates the partitions of `first..=last`. Returns the months it created.
+    pub async fn create_partitions(
+        &self,
+        first: Month,
+        last: Month,
+    ) -> Result<Vec<Month>, InboxError> {
+        let mut created = Vec::new();
+        for month in first.through(last) {
+            if self.store.create_partition(month).await? {
+                metrics::partition_created();
+                created.push(month);
+            }
+            self.known().insert(month);
+        }
+        Ok(created)
+    }
+
+    /// The months that have a partition, oldest first.
+    pub async fn partitions(&self) -> Result<Vec<Month>, InboxError> {
+        Ok(self.store.partitions().await?)
+    }
+
+    /// The partitions wholly older than the TTL: every row in them was filed before
+    /// `now − ttl`, so no message still inside the window can need them.
+    pub async fn expired_partitions(&self) -> Result<Vec<Month>, InboxError> {
+        let window_start = self.clock.now() - to_delta(self.config.ttl);
+        let mut months = self.store.partitions().await?;
+        months.retain(|month| month.end() <= window_start);
+        Ok(months)
+    }
+
+    /// Drops the partitions wholly older than the TTL, whole (never row by row). Returns
+    /// the months dropped.
+    pub async fn drop_expired_partitions(&self) -> Result<Vec<Month>, InboxError> {
+        let mut dropped = Vec::new();
+        for month in self.expired_partitions().await? {
+            // Forget it first: a claim that raced us will recreate rather than miss it.
+            self.known().remove(&month);
+            if self.store.drop_partition(month).await? {
+                metrics::partition_dropped();
+                dropped.push(month);
+            }
+        }
+        Ok(dropped)
+    }
+}
+
+fn to_delta(duration: std::time::Duration) -> TimeDelta {
+    TimeDelta::from_std(duration).unwrap_or(TimeDelta::MAX)
+}

@@ -1,0 +1,104 @@
+//! The SQL side of the inbox, one backend per database: [`InboxStore`] is what the
+//! [`InboxGuard`](crate::InboxGuard) needs from a database, implemented by
+//! [`PostgresStore`] (production) and [`SqliteStore`] (the embedded default).
+//!
+//! A store does no policy: it claims, records and manages partitions exactly where the
+//! guard tells it to. Deciding the month, the TTL and the metrics is the guard's job.
+
+use std::fmt::Debug;
+use std::future::Future;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::Transaction;
+
+use crate::envelope::{ConsumerType, MessageId};
+use crate::month::Month;
+
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+
+#[cfg(feature = "postgres")]
+pub use postgres::{MIGRATOR as POSTGRES_MIGRATOR, PostgresStore};
+#[cfg(feature = "sqlite")]
+pub use sqlite::{MIGRATOR as SQLITE_MIGRATOR, SqliteStore};
+
+/// The prefix of every monthly inbox table: `sagabox_inbox_YYYY_MM`.
+pub const PARTITION_PREFIX: &str = "sagabox_inbox_";
+
+/// Where one claim looks and where its row goes.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimKey<'a> {
+    /// Who consumes the message.
+    pub consumer_type: &'a ConsumerType,
+    /// The message's stable id.
+    pub message_id: &'a MessageId,
+    /// The monthly partition the row is written to.
+    pub bucket: Month,
+    /// `false` when [`bucket`](Self::bucket) is derived from the message itself (every
+    /// delivery files it there, so probing that one partition suffices); `true` when the
+    /// message carries no time and earlier deliveries may sit in any live partition.
+    pub probe_all: bool,
+}
+
+/// What the first delivery of a message left in the inbox.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FirstDelivery {
+    /// When it was processed.
+    pub processed_at: DateTime<Utc>,
+    /// The handler result it recorded.
+    pub result: Value,
+}
+
+/// A database the inbox can live in.
+///
+/// All methods that take a transaction run inside the guard's one transaction; the
+/// others run on their own connection.
+pub trait InboxStore: Debug + Send + Sync + 'static {
+    /// The sqlx database this store talks to; handlers get a transaction of it.
+    type Db: sqlx::Database;
+
+    /// Begins the guard's transaction, in the mode the claim needs (PostgreSQL:
+    /// `READ COMMITTED`; SQLite: `BEGIN IMMEDIATE`).
+    fn begin(
+        &self,
+    ) -> impl Future<Output = Result<Transaction<'static, Self::Db>, sqlx::Error>> + Send;
+
+    /// Claims `key` for this transaction: afterwards no other transaction can claim it
+    /// until this one ends. Returns the first delivery when the key was already recorded.
+    fn claim(
+        &self,
+        tx: &mut Transaction<'static, Self::Db>,
+        key: &ClaimKey<'_>,
+    ) -> impl Future<Output = Result<Option<FirstDelivery>, sqlx::Error>> + Send;
+
+    /// Records the claimed key with the handler's result. Returns `false` when a row for
+    /// the key already exists in the bucket (nothing was written).
+    fn record(
+        &self,
+        tx: &mut Transaction<'static, Self::Db>,
+        key: &ClaimKey<'_>,
+        processed_at: DateTime<Utc>,
+        result: &Value,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Creates the partition for `month` unless it exists. Returns whether it created it.
+    fn create_partition(
+        &self,
+        month: Month,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// The months that have a partition, oldest first.
+    fn partitions(&self) -> impl Future<Output = Result<Vec<Month>, sqlx::Error>> + Send;
+
+    /// Drops the whole partition of `month` (never row by row). Returns whether it existed.
+    fn drop_partition(
+        &self,
+        month: Month,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Runs this backend's embedded migrations.
+    fn migrate(&self) -> impl Future<Output = Result<(), sqlx::migrate::MigrateError>> + Send;
+}

@@ -1,0 +1,218 @@
+//! [`PostgresStore`]: the production inbox, one table partitioned by month.
+//!
+//! Uniqueness across partitions: PostgreSQL cannot enforce a unique key that omits the
+//! partition key, so the partition key is made a function of the message: the month of
+//! its UUIDv7 id or publish time ([`Envelope::dedup_time`](crate::Envelope::dedup_time)).
+//! Every redelivery then targets the same partition, where the primary key
+//! `(consumer_type, message_id, bucket)` is in effect global. A message with no time is
+//! filed under its processing month and its claim probes every live partition; both
+//! kinds of claim hold the same per-key advisory lock, so they also serialise with each
+//! other. `docs/partitioning.md` has the reasoning and the measurements.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::migrate::{MigrateError, Migrator};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::types::Json;
+use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
+
+use crate::month::Month;
+use crate::store::{ClaimKey, FirstDelivery, InboxStore, PARTITION_PREFIX};
+
+/// The PostgreSQL migrations, embedded at build time.
+pub static MIGRATOR: Migrator = sqlx::migrate!("migrations/postgres");
+
+/// Advisory lock class for sagabox DDL ('Saga' in ASCII, as in `sagabox_inbox_claim`);
+/// object 0 serialises partition creation and dropping.
+const LOCK_CLASS: i32 = 1_398_892_385;
+
+/// The inbox in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+}
+
+impl PostgresStore {
+    /// A store on an existing pool. The pool's connections must use the schema the
+    /// migrations ran in.
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    /// Connects a pool of up to `max_connections` to `url`
+    /// (`postgres://user@host:port/db`). Connections are not pinged before each use: a
+    /// broken one fails its transaction with a retryable database error instead of
+    /// costing every message an extra round trip.
+    pub async fn connect(url: &str, max_connections: u32) -> Result<Self, sqlx::Error> {
+        let options = PgConnectOptions::from_str(url)?.application_name("sagabox");
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections.max(1))
+            .acquire_timeout(Duration::from_secs(30))
+            .test_before_acquire(false)
+            .connect_with(options)
+            .await?;
+        Ok(Self { pool })
+    }
+
+    /// The pool, for the caller's own queries.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+}
+
+fn partition_name(month: Month) -> String {
+    format!("{PARTITION_PREFIX}{}", month.suffix())
+}
+
+impl InboxStore for PostgresStore {
+    type Db = Postgres;
+
+    async fn begin(&self) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
+        // The claim's lookup relies on a fresh snapshot after the lock: READ COMMITTED,
+        // whatever the database's default isolation.
+        self.pool
+            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .await
+    }
+
+    async fn claim(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        key: &ClaimKey<'_>,
+    ) -> Result<Option<FirstDelivery>, sqlx::Error> {
+        let row =
+            sqlx::query("SELECT processed_at, result FROM sagabox_inbox_claim($1, $2, $3, $4)")
+                .bind(key.consumer_type.as_str())
+                .bind(key.message_id.as_str())
+                .bind(key.bucket.first_day())
+                .bind(key.probe_all)
+                .fetch_optional(&mut **tx)
+                .await?;
+        row.map(|row| {
+            Ok(FirstDelivery {
+                processed_at: row.try_get("processed_at")?,
+                result: row.try_get::<Json<Value>, _>("result")?.0,
+            })
+        })
+        .transpose()
+    }
+
+    async fn record(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        key: &ClaimKey<'_>,
+        processed_at: DateTime<Utc>,
+        result: &Value,
+    ) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(
+            "INSERT INTO sagabox_inbox (consumer_type, message_id, bucket, processed_at, result) \
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+        )
+        .bind(key.consumer_type.as_str())
+        .bind(key.message_id.as_str())
+        .bind(key.bucket.first_day())
+        .bind(processed_at)
+        .bind(Json(result))
+        .execute(&mut **tx)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn create_partition(&self, month: Month) -> Result<bool, sqlx::Error> {
+        let name = partition_name(month);
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1, 0)")
+            .bind(LOCK_CLASS)
+            .execute(&mut *tx)
+            .await?;
+        let (exists, attached): (bool, bool) = sqlx::query_as(
+            "SELECT to_regclass($1) IS NOT NULL, EXISTS (SELECT 1 FROM pg_inherits \
+             WHERE inhparent = 'sagabox_inbox'::regclass AND inhrelid = to_regclass($1))",
+        )
+        .bind(&name)
+        .fetch_one(&mut *tx)
+        .await?;
+        if attached {
+            tx.commit().await?;
+            return Ok(false);
+        }
+        if exists {
+            // Left detached by a drop that stopped half-way: its rows were expiring.
+            sqlx::query(AssertSqlSafe(format!("DROP TABLE {name}")))
+                .execute(&mut *tx)
+                .await?;
+        }
+        // `name` and both bounds are rendered from a validated Month: no outside text.
+        let ddl = format!(
+            "CREATE TABLE {name} PARTITION OF sagabox_inbox FOR VALUES FROM ('{}') TO ('{}')",
+            month.first_day(),
+            month.end().date_naive(),
+        );
+        sqlx::query(AssertSqlSafe(ddl)).execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    async fn partitions(&self) -> Result<Vec<Month>, sqlx::Error> {
+        let names: Vec<String> = sqlx::query_scalar(
+            "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = current_schema() AND c.relkind = 'r' \
+               AND c.relname ~ '^sagabox_inbox_[0-9]{4}_[0-9]{2}$'",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        let mut months: Vec<Month> = names
+            .iter()
+            .filter_map(|name| Month::from_table_name(PARTITION_PREFIX, name))
+            .collect();
+        months.sort();
+        Ok(months)
+    }
+
+    async fn drop_partition(&self, month: Month) -> Result<bool, sqlx::Error> {
+        let name = partition_name(month);
+        let mut conn = self.pool.acquire().await?;
+        let state: Option<(bool, Option<bool>)> = sqlx::query_as(
+            "SELECT true, (SELECT inhdetachpending FROM pg_inherits \
+                            WHERE inhparent = 'sagabox_inbox'::regclass AND inhrelid = to_regclass($1)) \
+             WHERE to_regclass($1) IS NOT NULL",
+        )
+        .bind(&name)
+        .fetch_optional(&mut *conn)
+        .await?;
+        let Some((_, attached)) = state else {
+            return Ok(false);
+        };
+        // Detach first, CONCURRENTLY, so claims on the other partitions never wait for
+        // an exclusive lock on the parent; then the drop touches only the detached table.
+        // CONCURRENTLY cannot run in a transaction block: a simple-protocol statement.
+        match attached {
+            Some(false) => {
+                sqlx::raw_sql(AssertSqlSafe(format!(
+                    "ALTER TABLE sagabox_inbox DETACH PARTITION {name} CONCURRENTLY"
+                )))
+                .execute(&mut *conn)
+                .await?;
+            }
+            Some(true) => {
+                sqlx::raw_sql(AssertSqlSafe(format!(
+                    "ALTER TABLE sagabox_inbox DETACH PARTITION {name} FINALIZE"
+                )))
+                .execute(&mut *conn)
+                .await?;
+            }
+            None => {}
+        }
+        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE IF EXISTS {name}")))
+            .execute(&mut *conn)
+            .await?;
+        Ok(true)
+    }
+
+    async fn migrate(&self) -> Result<(), MigrateError> {
+        MIGRATOR.run(&self.pool).await
+    }
+}

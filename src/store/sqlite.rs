@@ -1,0 +1,194 @@
+//! [`SqliteStore`]: the embedded default inbox, one table per month
+//! (`sagabox_inbox_YYYY_MM`), pruned by dropping whole tables.
+//!
+//! SQLite has one writer at a time, and the guard's transaction starts with
+//! `BEGIN IMMEDIATE`, which takes the write lock up front: a claim and everything after
+//! it in the transaction run alone, so a racing delivery of the same key waits for the
+//! first to commit and then sees its row. Partition choice mirrors the PostgreSQL store:
+//! a message with a time is looked up in its own month's table, one without in all.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::migrate::{MigrateError, Migrator};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+use sqlx::types::Json;
+use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection, Transaction};
+
+use crate::month::Month;
+use crate::store::{ClaimKey, FirstDelivery, InboxStore, PARTITION_PREFIX};
+
+/// The SQLite migrations, embedded at build time.
+pub static MIGRATOR: Migrator = sqlx::migrate!("migrations/sqlite");
+
+/// The inbox in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+}
+
+impl SqliteStore {
+    /// A store on an existing pool. Give its connections a `busy_timeout`: writers queue
+    /// on SQLite's single write lock.
+    pub fn new(pool: SqlitePool) -> Self {
+        Self { pool }
+    }
+
+    /// Opens (creating if missing) the database at `url` (`sqlite:path/to/file.db`) with
+    /// up to `max_connections` connections, in WAL mode with full fsync on commit (an
+    /// acknowledged message must survive a power cut) and a 30 s busy timeout.
+    pub async fn connect(url: &str, max_connections: u32) -> Result<Self, sqlx::Error> {
+        let options = SqliteConnectOptions::from_str(url)?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .busy_timeout(Duration::from_secs(30))
+            .foreign_keys(true);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(max_connections.max(1))
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(options)
+            .await?;
+        Ok(Self { pool })
+    }
+
+    /// The pool, for the caller's own queries.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+}
+
+fn table_name(month: Month) -> String {
+    format!("{PARTITION_PREFIX}{}", month.suffix())
+}
+
+async fn list_tables(conn: &mut SqliteConnection) -> Result<Vec<Month>, sqlx::Error> {
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT name FROM sqlite_master WHERE type = 'table' \
+           AND name GLOB 'sagabox_inbox_[0-9][0-9][0-9][0-9]_[0-9][0-9]'",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut months: Vec<Month> = names
+        .iter()
+        .filter_map(|name| Month::from_table_name(PARTITION_PREFIX, name))
+        .collect();
+    months.sort();
+    Ok(months)
+}
+
+impl InboxStore for SqliteStore {
+    type Db = Sqlite;
+
+    async fn begin(&self) -> Result<Transaction<'static, Sqlite>, sqlx::Error> {
+        self.pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    async fn claim(
+        &self,
+        tx: &mut Transaction<'static, Sqlite>,
+        key: &ClaimKey<'_>,
+    ) -> Result<Option<FirstDelivery>, sqlx::Error> {
+        let months = if key.probe_all {
+            list_tables(tx).await?
+        } else {
+            vec![key.bucket]
+        };
+        if months.is_empty() {
+            return Ok(None);
+        }
+        // Table names come from validated Months only.
+        let sql = months
+            .iter()
+            .map(|month| {
+                format!(
+                    "SELECT processed_at, result FROM {} WHERE consumer_type = $1 AND message_id = $2",
+                    table_name(*month)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" UNION ALL ");
+        let row = sqlx::query(AssertSqlSafe(format!(
+            "{sql} ORDER BY processed_at LIMIT 1"
+        )))
+        .bind(key.consumer_type.as_str())
+        .bind(key.message_id.as_str())
+        .fetch_optional(&mut **tx)
+        .await?;
+        row.map(|row| {
+            Ok(FirstDelivery {
+                processed_at: row.try_get("processed_at")?,
+                result: row.try_get::<Json<Value>, _>("result")?.0,
+            })
+        })
+        .transpose()
+    }
+
+    async fn record(
+        &self,
+        tx: &mut Transaction<'static, Sqlite>,
+        key: &ClaimKey<'_>,
+        processed_at: DateTime<Utc>,
+        result: &Value,
+    ) -> Result<bool, sqlx::Error> {
+        let sql = format!(
+            "INSERT INTO {} (consumer_type, message_id, processed_at, result) \
+             VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+            table_name(key.bucket)
+        );
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(key.consumer_type.as_str())
+            .bind(key.message_id.as_str())
+            .bind(processed_at)
+            .bind(Json(result))
+            .execute(&mut **tx)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn create_partition(&self, month: Month) -> Result<bool, sqlx::Error> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        if list_tables(&mut tx).await?.contains(&month) {
+            tx.commit().await?;
+            return Ok(false);
+        }
+        let ddl = format!(
+            "CREATE TABLE {} (\
+               consumer_type TEXT NOT NULL, \
+               message_id TEXT NOT NULL, \
+               processed_at TEXT NOT NULL, \
+               result TEXT NOT NULL, \
+               PRIMARY KEY (consumer_type, message_id)\
+             ) WITHOUT ROWID",
+            table_name(month)
+        );
+        sqlx::query(AssertSqlSafe(ddl)).execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    async fn partitions(&self) -> Result<Vec<Month>, sqlx::Error> {
+        let mut conn = self.pool.acquire().await?;
+        list_tables(&mut conn).await
+    }
+
+    async fn drop_partition(&self, month: Month) -> Result<bool, sqlx::Error> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let existed = list_tables(&mut tx).await?.contains(&month);
+        if existed {
+            sqlx::query(AssertSqlSafe(format!("DROP TABLE {}", table_name(month))))
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(existed)
+    }
+
+    async fn migrate(&self) -> Result<(), MigrateError> {
+        MIGRATOR.run(&self.pool).await
+    }
+}
