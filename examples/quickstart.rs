@@ -42,7 +42,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     for delivery in 1..=3 {
         let outcome = guard
-            .process(&payment, &message, async |tx, envelope| {
+            .process(&payment, &message, async |conn, envelope| {
                 let order_id = envelope.payload["order_id"].as_str().unwrap_or_default();
                 let cents = envelope.payload["amount_cents"].as_i64().unwrap_or_default();
                 let charge_id: i64 = sqlx::query_scalar(
@@ -50,7 +50,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 )
                 .bind(order_id)
                 .bind(cents)
-                .fetch_one(&mut **tx)
+                .fetch_one(&mut *conn)
                 .await?;
                 Ok::<_, sqlx::Error>(json!({"charge_id": charge_id, "amount_cents": cents}))
             })

@@ -21,11 +21,11 @@
 //! let payment = ConsumerType::new("payment")?;
 //! let envelope = Envelope::new(MessageId::new("order-42/charge")?, "charge", json!({"cents": 4200}))?;
 //! let outcome = guard
-//!     .process(&payment, &envelope, async |tx, envelope| {
+//!     .process(&payment, &envelope, async |conn, envelope| {
 //!         sqlx::query("INSERT INTO charges (order_id, cents) VALUES ($1, $2)")
 //!             .bind("order-42")
 //!             .bind(envelope.payload["cents"].as_i64())
-//!             .execute(&mut **tx)
+//!             .execute(&mut *conn)
 //!             .await?;
 //!         Ok::<_, sqlx::Error>(json!({"charged": 4200}))
 //!     })

@@ -1,4 +1,4 @@
-//! The metrics the inbox emits through the [`metrics`](::metrics) facade. Install any
+//! The metrics the inbox emits through the `metrics` crate's facade. Install any
 //! recorder (Prometheus, StatsD, …) to collect them; without one they cost nothing.
 //!
 //! | name | kind | labels |

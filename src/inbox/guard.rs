@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use chrono::{DateTime, TimeDelta, Utc};
 use serde_json::Value;
-use sqlx::Transaction;
+use sqlx::Database;
 
 use crate::clock::{Clock, SystemClock};
 use crate::envelope::{ConsumerType, Envelope};
@@ -97,7 +97,7 @@ impl<S: InboxStore> InboxGuard<S> {
         handler: F,
     ) -> Result<Outcome, GuardError<E>>
     where
-        F: AsyncFnOnce(&mut Transaction<'static, S::Db>, &Envelope) -> Result<Value, E>,
+        F: AsyncFnOnce(&mut <S::Db as Database>::Connection, &Envelope) -> Result<Value, E>,
     {
         let result = self.process_inner(consumer_type, envelope, handler).await;
         let label = match &result {
@@ -115,7 +115,7 @@ impl<S: InboxStore> InboxGuard<S> {
         handler: F,
     ) -> Result<Outcome, GuardError<E>>
     where
-        F: AsyncFnOnce(&mut Transaction<'static, S::Db>, &Envelope) -> Result<Value, E>,
+        F: AsyncFnOnce(&mut <S::Db as Database>::Connection, &Envelope) -> Result<Value, E>,
     {
         let now = self.clock.now();
         let key = self.placement(consumer_type, envelope, now)?;
@@ -133,7 +133,7 @@ impl<S: InboxStore> InboxGuard<S> {
             });
         }
 
-        let result = match handler(&mut tx, envelope).await {
+        let result = match handler(&mut *tx, envelope).await {
             Ok(result) => result,
             Err(error) => {
                 if let Err(rollback) = tx.rollback().await {

@@ -1,0 +1,559 @@
+//! The inbox contract, one suite run against both backends: real PostgreSQL (a fresh
+//! database per test) and SQLite (a fresh file per test).
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use chrono::{DateTime, TimeDelta, TimeZone, Utc};
+use sagabox::{
+    ConsumerType, Envelope, GuardError, InboxConfig, InboxError, KeyError, ManualClock, MessageId,
+    Month, Outcome,
+};
+use serde_json::json;
+
+const DAY: Duration = Duration::from_secs(86_400);
+
+fn at(y: i32, mo: u32, d: u32, h: u32, mi: u32, s: u32) -> DateTime<Utc> {
+    Utc.with_ymd_and_hms(y, mo, d, h, mi, s).unwrap()
+}
+
+fn month(y: i32, m: u32) -> Month {
+    Month::new(y, m).unwrap()
+}
+
+fn consumer(name: &str) -> ConsumerType {
+    ConsumerType::new(name).unwrap()
+}
+
+/// How a test message carries (or does not carry) its time.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Timing {
+    /// A plain id and a publish time.
+    Published(DateTime<Utc>),
+    /// A plain id and no time at all: the slow path.
+    Unknown,
+    /// A UUIDv7 id and no publish time.
+    UuidV7,
+}
+
+fn envelope(id: &str, timing: Timing) -> Envelope {
+    let id = match timing {
+        Timing::UuidV7 => MessageId::new_v7(),
+        _ => MessageId::new(id).unwrap(),
+    };
+    let envelope = Envelope::new(id, "charge", json!({"cents": 100})).unwrap();
+    match timing {
+        Timing::Published(t) => envelope.with_published_at(t),
+        _ => envelope,
+    }
+}
+
+const EFFECTS_DDL: &str = "CREATE TABLE effects (consumer_type TEXT NOT NULL, message_id TEXT NOT NULL, note TEXT NOT NULL)";
+
+/// The whole suite, instantiated once per backend: `$fixture` is `common::Pg` or
+/// `common::Lite`, `$db` the matching sqlx database type.
+macro_rules! inbox_suite {
+    ($backend:ident, $fixture:ty, $db:ty) => {
+        mod $backend {
+            use super::*;
+            use sagabox::InboxGuard;
+
+            type Fixture = $fixture;
+
+            async fn fixture() -> Fixture {
+                let fx = <$fixture>::new().await;
+                fx.exec(EFFECTS_DDL).await;
+                fx
+            }
+
+            fn config() -> InboxConfig {
+                InboxConfig::default().with_ttl(60 * DAY)
+            }
+
+            async fn guard(fx: &Fixture, clock: &ManualClock, connections: u32) -> InboxGuard<impl sagabox::InboxStore<Db = $db>> {
+                InboxGuard::new(fx.store(connections).await, config())
+                    .unwrap()
+                    .with_clock(clock.clone())
+            }
+
+            /// The side effect: one row appended to `effects`, not idempotent by itself.
+            async fn apply(
+                conn: &mut <$db as sqlx::Database>::Connection,
+                consumer_type: &ConsumerType,
+                envelope: &Envelope,
+                note: &str,
+            ) -> Result<serde_json::Value, sqlx::Error> {
+                sqlx::query("INSERT INTO effects (consumer_type, message_id, note) VALUES ($1, $2, $3)")
+                    .bind(consumer_type.as_str())
+                    .bind(envelope.id.as_str())
+                    .bind(note)
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(json!({"note": note, "id": envelope.id.as_str()}))
+            }
+
+            async fn deliver(
+                guard: &InboxGuard<impl sagabox::InboxStore<Db = $db>>,
+                consumer_type: &ConsumerType,
+                envelope: &Envelope,
+                note: &str,
+            ) -> Outcome {
+                guard
+                    .process(consumer_type, envelope, async |conn, env| apply(conn, consumer_type, env, note).await)
+                    .await
+                    .expect("process")
+            }
+
+            #[tokio::test]
+            async fn three_deliveries_apply_once_and_duplicates_get_the_first_result() {
+                let fx = fixture().await;
+                let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
+                let guard = guard(&fx, &clock, 2).await;
+                let payment = consumer("payment");
+                let message = envelope("order-1/charge", Timing::Published(at(2026, 12, 2, 9, 59, 0)));
+
+                let first = deliver(&guard, &payment, &message, "delivery 1").await;
+                assert_eq!(first, Outcome::Applied(json!({"note": "delivery 1", "id": "order-1/charge"})));
+                clock.advance(TimeDelta::seconds(5));
+                for n in 2..=3 {
+                    let again = deliver(&guard, &payment, &message, &format!("delivery {n}")).await;
+                    assert_eq!(
+                        again,
+                        Outcome::Duplicate {
+                            first_processed_at: at(2026, 12, 2, 10, 0, 0),
+                            result: json!({"note": "delivery 1", "id": "order-1/charge"}),
+                        }
+                    );
+                }
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 1);
+                assert_eq!(fx.inbox_rows().await, 1);
+            }
+
+            async fn competing_round(fx: &Fixture, round: usize, timing: Timing) {
+                const KEYS: usize = 200;
+                const TASKS: usize = 8;
+                let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
+                let payment = consumer("payment");
+                let messages: Vec<Envelope> = (0..KEYS)
+                    .map(|k| envelope(&format!("round-{round}/key-{k}"), timing))
+                    .collect();
+                let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(TASKS));
+                let mut tasks = Vec::new();
+                for task in 0..TASKS {
+                    // Each task has its own pool of one connection: separate sessions.
+                    let guard = guard(fx, &clock, 1).await;
+                    let messages = messages.clone();
+                    let payment = payment.clone();
+                    let barrier = barrier.clone();
+                    tasks.push(tokio::spawn(async move {
+                        barrier.wait().await;
+                        let (mut applied, mut duplicates) = (0, 0);
+                        // Tasks walk the keys from different offsets so they collide
+                        // both head-on and staggered.
+                        for i in 0..KEYS {
+                            let message = &messages[(i + task * 7) % KEYS];
+                            match deliver(&guard, &payment, message, &format!("task {task}")).await {
+                                Outcome::Applied(_) => applied += 1,
+                                Outcome::Duplicate { .. } => duplicates += 1,
+                            }
+                        }
+                        (applied, duplicates)
+                    }));
+                }
+                let (mut applied, mut duplicates) = (0, 0);
+                for task in tasks {
+                    let (a, d) = task.await.expect("task");
+                    applied += a;
+                    duplicates += d;
+                }
+                assert_eq!(applied, KEYS, "round {round} ({timing:?})");
+                assert_eq!(duplicates, KEYS * (TASKS - 1), "round {round} ({timing:?})");
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn competing_consumers_apply_each_key_exactly_once() {
+                let fx = fixture().await;
+                let rounds = [
+                    Timing::Published(at(2026, 12, 2, 9, 0, 0)),
+                    Timing::Unknown,
+                    Timing::Published(at(2026, 12, 1, 0, 0, 0)),
+                    Timing::Unknown,
+                    Timing::UuidV7,
+                ];
+                for (round, timing) in rounds.into_iter().enumerate() {
+                    competing_round(&fx, round, timing).await;
+                }
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 1000);
+                assert_eq!(
+                    fx.scalar("SELECT COUNT(*) FROM (SELECT message_id FROM effects GROUP BY message_id HAVING COUNT(*) > 1) d").await,
+                    0,
+                    "a key was applied twice"
+                );
+                assert_eq!(fx.inbox_rows().await, 1000);
+            }
+
+            async fn month_boundary(timing: Timing) {
+                let fx = fixture().await;
+                let clock = ManualClock::new(at(2026, 11, 30, 23, 59, 59));
+                let guard = guard(&fx, &clock, 2).await;
+                let payment = consumer("payment");
+                let message = envelope("order-7/charge", timing);
+
+                let first = deliver(&guard, &payment, &message, "first").await;
+                assert!(matches!(first, Outcome::Applied(_)), "{first:?}");
+                for redelivery in [at(2026, 12, 1, 0, 0, 1), at(2027, 1, 5, 12, 0, 0)] {
+                    clock.set(redelivery);
+                    let again = deliver(&guard, &payment, &message, "again").await;
+                    assert!(
+                        matches!(&again, Outcome::Duplicate { first_processed_at, .. } if *first_processed_at == at(2026, 11, 30, 23, 59, 59)),
+                        "{timing:?} at {redelivery}: {again:?}"
+                    );
+                }
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 1);
+                assert_eq!(fx.inbox_rows().await, 1);
+            }
+
+            #[tokio::test]
+            async fn month_boundary_with_publish_time() {
+                month_boundary(Timing::Published(at(2026, 11, 30, 23, 59, 58))).await;
+            }
+
+            #[tokio::test]
+            async fn month_boundary_without_publish_time() {
+                month_boundary(Timing::Unknown).await;
+            }
+
+            #[tokio::test]
+            async fn month_boundary_with_uuid_v7_id_only() {
+                // The id's own time is "now"; the clock runs from Nov 30 so place the
+                // first delivery near it: the guard only needs the id's month to be stable.
+                let fx = fixture().await;
+                let id = MessageId::new_v7();
+                let created = id.uuid_v7_time().unwrap();
+                let clock = ManualClock::new(created);
+                let guard = guard(&fx, &clock, 2).await;
+                let payment = consumer("payment");
+                let message = Envelope::new(id, "charge", json!({})).unwrap();
+                assert!(matches!(deliver(&guard, &payment, &message, "first").await, Outcome::Applied(_)));
+                for later in [TimeDelta::days(1), TimeDelta::days(31), TimeDelta::days(45)] {
+                    clock.set(created + later);
+                    assert!(deliver(&guard, &payment, &message, "again").await.is_duplicate(), "after {later}");
+                }
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 1);
+            }
+
+            async fn race_across_boundary(timing: Timing) {
+                let fx = fixture().await;
+                let before = ManualClock::new(at(2026, 11, 30, 23, 59, 59));
+                let after = ManualClock::new(at(2026, 12, 1, 0, 0, 1));
+                let guard_before = guard(&fx, &before, 1).await;
+                let guard_after = guard(&fx, &after, 1).await;
+                let payment = consumer("payment");
+                const KEYS: usize = 50;
+                for k in 0..KEYS {
+                    let message = envelope(&format!("boundary-{k}"), timing);
+                    let (a, b) = tokio::join!(
+                        deliver(&guard_before, &payment, &message, "before"),
+                        deliver(&guard_after, &payment, &message, "after"),
+                    );
+                    assert_ne!(a.is_duplicate(), b.is_duplicate(), "key {k}: {a:?} / {b:?}");
+                }
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, KEYS as i64);
+                assert_eq!(fx.inbox_rows().await, KEYS as i64);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn deliveries_racing_across_the_month_boundary_apply_once() {
+                race_across_boundary(Timing::Unknown).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn deliveries_racing_across_the_month_boundary_with_publish_time_apply_once() {
+                race_across_boundary(Timing::Published(at(2026, 11, 30, 23, 59, 58))).await;
+            }
+
+            #[tokio::test]
+            async fn handler_error_leaves_no_row_and_the_redelivery_applies() {
+                let fx = fixture().await;
+                let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
+                let guard = guard(&fx, &clock, 2).await;
+                let payment = consumer("payment");
+                let message = envelope("order-9/charge", Timing::Unknown);
+
+                #[derive(Debug, PartialEq)]
+                struct CardNetworkDown;
+                let failed = guard
+                    .process(&payment, &message, async |conn, env| {
+                        apply(conn, &payment, env, "doomed").await.expect("insert");
+                        Err::<serde_json::Value, _>(CardNetworkDown)
+                    })
+                    .await;
+                assert!(matches!(failed, Err(GuardError::Handler(CardNetworkDown))), "{failed:?}");
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 0, "side effect rolled back");
+                assert_eq!(fx.inbox_rows().await, 0, "no inbox row");
+
+                let retried = deliver(&guard, &payment, &message, "retry").await;
+                assert!(matches!(retried, Outcome::Applied(_)));
+                assert!(deliver(&guard, &payment, &message, "again").await.is_duplicate());
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 1);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_racing_duplicate_waits_for_the_first_and_never_runs_its_handler() {
+                use std::sync::atomic::{AtomicUsize, Ordering};
+                use std::sync::Arc;
+                for timing in [Timing::Published(at(2026, 12, 2, 9, 0, 0)), Timing::Unknown] {
+                    let fx = fixture().await;
+                    let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
+                    let first_guard = guard(&fx, &clock, 1).await;
+                    let second_guard = guard(&fx, &clock, 1).await;
+                    let payment = consumer("payment");
+                    let message = envelope("order-race/charge", timing);
+                    let handler_runs = Arc::new(AtomicUsize::new(0));
+                    let (inside_tx, inside_rx) = tokio::sync::oneshot::channel::<()>();
+                    let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
+
+                    let first = {
+                        let (payment, message, runs) = (payment.clone(), message.clone(), handler_runs.clone());
+                        tokio::spawn(async move {
+                            first_guard
+                                .process(&payment, &message, async |conn, env| {
+                                    runs.fetch_add(1, Ordering::SeqCst);
+                                    let result = apply(conn, &payment, env, "first").await;
+                                    inside_tx.send(()).expect("signal");
+                                    release_rx.await.expect("release");
+                                    result
+                                })
+                                .await
+                                .expect("first")
+                        })
+                    };
+                    inside_rx.await.expect("first is inside its handler");
+                    let second = {
+                        let (payment, message, runs) = (payment.clone(), message.clone(), handler_runs.clone());
+                        tokio::spawn(async move {
+                            second_guard
+                                .process(&payment, &message, async |conn, env| {
+                                    runs.fetch_add(1, Ordering::SeqCst);
+                                    apply(conn, &payment, env, "second").await
+                                })
+                                .await
+                                .expect("second")
+                        })
+                    };
+                    fx.wait_for_blocked_claim().await;
+                    assert_eq!(handler_runs.load(Ordering::SeqCst), 1, "{timing:?}: the duplicate ran its handler while the first was open");
+                    release_tx.send(()).expect("release");
+                    assert!(matches!(first.await.unwrap(), Outcome::Applied(_)));
+                    let second = second.await.unwrap();
+                    assert!(matches!(&second, Outcome::Duplicate { result, .. } if result["note"] == "first"), "{timing:?}: {second:?}");
+                    assert_eq!(handler_runs.load(Ordering::SeqCst), 1, "{timing:?}");
+                    assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 1);
+                }
+            }
+
+            #[tokio::test]
+            async fn one_message_two_consumer_types_both_apply() {
+                let fx = fixture().await;
+                let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
+                let guard = guard(&fx, &clock, 2).await;
+                let message = envelope("order-3/placed", Timing::Published(at(2026, 12, 2, 10, 0, 0)));
+                for name in ["payment", "inventory"] {
+                    let c = consumer(name);
+                    assert!(matches!(deliver(&guard, &c, &message, name).await, Outcome::Applied(_)));
+                    assert!(deliver(&guard, &c, &message, name).await.is_duplicate());
+                }
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 2);
+                assert_eq!(fx.inbox_rows().await, 2);
+            }
+
+            #[tokio::test]
+            async fn bad_keys_are_refused_and_sql_looking_keys_are_data() {
+                let fx = fixture().await;
+                let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
+                let guard = guard(&fx, &clock, 2).await;
+
+                for bad in ["".to_owned(), "x".repeat(256), "abc\0def".to_owned(), "line\nbreak".to_owned()] {
+                    let id = MessageId::new(bad.clone());
+                    let ct = ConsumerType::new(bad.clone());
+                    assert!(matches!(id, Err(KeyError::Empty { .. } | KeyError::TooLong { .. } | KeyError::ControlCharacter { .. })), "{bad:?}");
+                    assert!(ct.is_err(), "{bad:?}");
+                    let from_json = serde_json::from_value::<Envelope>(json!({"id": bad, "kind": "charge"}));
+                    assert!(from_json.is_err(), "{bad:?}");
+                }
+                assert_eq!(fx.inbox_rows().await, 0);
+
+                let sneaky_id = "'); DROP TABLE sagabox_inbox;--";
+                let sneaky_consumer = consumer("payment'; DROP TABLE effects;--");
+                let message = envelope(sneaky_id, Timing::Unknown);
+                assert!(matches!(deliver(&guard, &sneaky_consumer, &message, "x").await, Outcome::Applied(_)));
+                assert!(deliver(&guard, &sneaky_consumer, &message, "x").await.is_duplicate());
+                assert_eq!(fx.inbox_rows().await, 1);
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 1);
+                let (stored_consumer, stored_id): (String, String) =
+                    sqlx::query_as("SELECT consumer_type, message_id FROM effects")
+                        .fetch_one(&fx.pool)
+                        .await
+                        .unwrap();
+                assert_eq!(stored_id, sneaky_id);
+                assert_eq!(stored_consumer, sneaky_consumer.as_str());
+            }
+
+            #[tokio::test]
+            async fn expired_partitions_are_dropped_whole_and_live_rows_stay() {
+                let fx = fixture().await;
+                let clock = ManualClock::new(at(2026, 12, 10, 8, 0, 0));
+                let guard = InboxGuard::new(fx.store(2).await, InboxConfig::default().with_ttl(14 * DAY))
+                    .unwrap()
+                    .with_clock(clock.clone());
+                let created = guard.create_partitions(month(2026, 8), month(2026, 12)).await.unwrap();
+                assert_eq!(created, month(2026, 8).through(month(2026, 12)).collect::<Vec<_>>());
+                let payment = consumer("payment");
+                let december = envelope("order-12/charge", Timing::Published(at(2026, 12, 10, 7, 0, 0)));
+                assert!(matches!(deliver(&guard, &payment, &december, "dec").await, Outcome::Applied(_)));
+
+                clock.set(at(2026, 12, 20, 0, 0, 0));
+                assert_eq!(
+                    guard.expired_partitions().await.unwrap(),
+                    vec![month(2026, 8), month(2026, 9), month(2026, 10), month(2026, 11)]
+                );
+                let dropped = guard.drop_expired_partitions().await.unwrap();
+                assert_eq!(dropped, vec![month(2026, 8), month(2026, 9), month(2026, 10), month(2026, 11)]);
+                assert_eq!(guard.partitions().await.unwrap(), vec![month(2026, 12)]);
+                assert_eq!(fx.inbox_rows().await, 1);
+                assert!(deliver(&guard, &payment, &december, "again").await.is_duplicate());
+                assert!(guard.drop_expired_partitions().await.unwrap().is_empty());
+            }
+
+            #[tokio::test]
+            async fn ttl_shorter_than_broker_retention_is_refused() {
+                let fx = fixture().await;
+                let refused = InboxGuard::new(
+                    fx.store(1).await,
+                    InboxConfig::default().with_ttl(7 * DAY).with_broker_retention(14 * DAY),
+                );
+                let err = refused.err().expect("refused");
+                assert!(matches!(err, sagabox::ConfigError::TtlShorterThanRetention { .. }));
+                assert!(err.to_string().contains("ttl of 7.0 days is shorter than the broker retention of 14.0 days"), "{err}");
+            }
+
+            #[tokio::test]
+            async fn a_message_older_than_the_ttl_is_refused_not_applied() {
+                let fx = fixture().await;
+                let clock = ManualClock::new(at(2026, 12, 20, 0, 0, 0));
+                let guard = InboxGuard::new(fx.store(2).await, InboxConfig::default().with_ttl(14 * DAY))
+                    .unwrap()
+                    .with_clock(clock.clone());
+                let payment = consumer("payment");
+                let stale = envelope("order-old/charge", Timing::Published(at(2026, 11, 30, 0, 0, 0)));
+                let refused = guard
+                    .process(&payment, &stale, async |conn, env| apply(conn, &payment, env, "stale").await)
+                    .await;
+                assert!(matches!(refused, Err(GuardError::Inbox(InboxError::Expired { .. }))), "{refused:?}");
+                assert!(refused.unwrap_err().to_string().contains("before the deduplication window"));
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 0);
+                assert_eq!(fx.inbox_rows().await, 0);
+            }
+
+            #[tokio::test]
+            async fn a_producer_clock_ahead_does_not_break_the_claim() {
+                let fx = fixture().await;
+                // The producer's clock runs ten minutes ahead, across the month boundary.
+                let clock = ManualClock::new(at(2026, 12, 31, 23, 55, 0));
+                let guard = guard(&fx, &clock, 2).await;
+                let payment = consumer("payment");
+                let ahead = envelope("order-ahead/charge", Timing::Published(at(2027, 1, 1, 0, 5, 0)));
+                assert!(matches!(deliver(&guard, &payment, &ahead, "ahead").await, Outcome::Applied(_)));
+                clock.set(at(2027, 1, 1, 0, 1, 0));
+                assert!(deliver(&guard, &payment, &ahead, "again").await.is_duplicate());
+                assert!(guard.partitions().await.unwrap().contains(&month(2027, 1)));
+
+                // A clock days ahead is refused with a clear error, not filed in the future.
+                let far = envelope("order-far/charge", Timing::Published(at(2027, 1, 5, 0, 0, 0)));
+                let refused = guard
+                    .process(&payment, &far, async |conn, env| apply(conn, &payment, env, "far").await)
+                    .await;
+                assert!(matches!(refused, Err(GuardError::Inbox(InboxError::PublishedInFuture { .. }))), "{refused:?}");
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 1);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn concurrent_partition_creation_creates_each_month_once() {
+                let fx = fixture().await;
+                let clock = ManualClock::new(at(2026, 12, 2, 0, 0, 0));
+                let mut tasks = Vec::new();
+                for _ in 0..8 {
+                    let guard = guard(&fx, &clock, 1).await;
+                    tasks.push(tokio::spawn(async move {
+                        guard.create_partitions(month(2027, 3), month(2027, 8)).await.expect("create").len()
+                    }));
+                }
+                let mut created = 0;
+                for task in tasks {
+                    created += task.await.unwrap();
+                }
+                assert_eq!(created, 6, "each of 6 months created exactly once");
+            }
+
+            #[tokio::test]
+            async fn migrate_is_idempotent_and_prepares_partitions_ahead() {
+                let fx = fixture().await;
+                let clock = ManualClock::new(at(2026, 12, 2, 0, 0, 0));
+                let guard = guard(&fx, &clock, 1).await;
+                assert_eq!(guard.migrate().await.unwrap(), vec![month(2026, 12), month(2027, 1), month(2027, 2)]);
+                assert!(guard.migrate().await.unwrap().is_empty());
+            }
+
+            #[test]
+            fn metrics_count_every_outcome() {
+                use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+                let recorder = DebuggingRecorder::new();
+                let snapshotter = recorder.snapshotter();
+                let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                metrics::with_local_recorder(&recorder, || {
+                    runtime.block_on(async {
+                        let fx = fixture().await;
+                        let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
+                        let guard = guard(&fx, &clock, 1).await;
+                        let payment = consumer("payment");
+                        let message = envelope("order-m/charge", Timing::Unknown);
+                        deliver(&guard, &payment, &message, "a").await;
+                        deliver(&guard, &payment, &message, "b").await;
+                        deliver(&guard, &payment, &message, "c").await;
+                        let other = envelope("order-n/charge", Timing::Unknown);
+                        let failed = guard
+                            .process(&payment, &other, async |_, _| Err::<serde_json::Value, _>("boom"))
+                            .await;
+                        assert!(failed.is_err());
+                    })
+                });
+                let mut counts = std::collections::HashMap::new();
+                let mut claim_samples = 0;
+                for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+                    let key = key.key();
+                    match (key.name(), value) {
+                        ("sagabox_inbox_messages_total", DebugValue::Counter(n)) => {
+                            let label = |name: &str| key.labels().find(|l| l.key() == name).map(|l| l.value().to_owned());
+                            assert_eq!(label("consumer_type").as_deref(), Some("payment"));
+                            counts.insert(label("outcome").unwrap(), n);
+                        }
+                        ("sagabox_inbox_claim_seconds", DebugValue::Histogram(samples)) => {
+                            claim_samples = samples.len();
+                        }
+                        _ => {}
+                    }
+                }
+                assert_eq!(counts.get("applied"), Some(&1), "{counts:?}");
+                assert_eq!(counts.get("duplicate"), Some(&2), "{counts:?}");
+                assert_eq!(counts.get("failed"), Some(&1), "{counts:?}");
+                assert_eq!(claim_samples, 4, "one claim timing per delivery that reached the claim");
+            }
+        }
+    };
+}
+
+inbox_suite!(postgres, common::Pg, sqlx::Postgres);
+inbox_suite!(sqlite, common::Lite, sqlx::Sqlite);
