@@ -60,19 +60,15 @@ pub trait InboxStore: Debug + Send + Sync + 'static {
     /// The sqlx database this store talks to; handlers get a transaction of it.
     type Db: sqlx::Database;
 
-    /// Begins the guard's transaction, in the mode the claim needs (PostgreSQL:
-    /// `READ COMMITTED`; SQLite: `BEGIN IMMEDIATE`).
-    fn begin(
+    /// Begins the guard's transaction and claims `key` in it: until the transaction
+    /// ends no other transaction can claim the key (a racing claim waits). Returns the
+    /// first delivery when the key was already recorded.
+    fn begin_claim(
         &self,
-    ) -> impl Future<Output = Result<Transaction<'static, Self::Db>, sqlx::Error>> + Send;
-
-    /// Claims `key` for this transaction: afterwards no other transaction can claim it
-    /// until this one ends. Returns the first delivery when the key was already recorded.
-    fn claim(
-        &self,
-        tx: &mut Transaction<'static, Self::Db>,
         key: &ClaimKey<'_>,
-    ) -> impl Future<Output = Result<Option<FirstDelivery>, sqlx::Error>> + Send;
+    ) -> impl Future<
+        Output = Result<(Transaction<'static, Self::Db>, Option<FirstDelivery>), sqlx::Error>,
+    > + Send;
 
     /// Records the claimed key with the handler's result. Returns `false` when a row for
     /// the key already exists in the bucket (nothing was written).

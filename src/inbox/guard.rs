@@ -122,8 +122,7 @@ impl<S: InboxStore> InboxGuard<S> {
         self.ensure_partition(key.bucket).await?;
 
         let claim_started = Instant::now();
-        let mut tx = self.store.begin().await?;
-        let first = self.store.claim(&mut tx, &key).await?;
+        let (mut tx, first) = self.store.begin_claim(&key).await?;
         metrics::claim_duration(claim_started.elapsed());
         if let Some(first) = first {
             tx.rollback().await?;
@@ -148,8 +147,7 @@ impl<S: InboxStore> InboxGuard<S> {
             // Unreachable while every writer claims first; kept as a second line of
             // defence: nothing of ours may commit, and the existing row answers.
             tx.rollback().await?;
-            let mut tx = self.store.begin().await?;
-            let first = self.store.claim(&mut tx, &key).await?;
+            let (tx, first) = self.store.begin_claim(&key).await?;
             tx.rollback().await?;
             let first = first.ok_or(InboxError::MissingPartition(key.bucket))?;
             return Ok(Outcome::Duplicate {

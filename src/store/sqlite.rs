@@ -84,22 +84,19 @@ async fn list_tables(conn: &mut SqliteConnection) -> Result<Vec<Month>, sqlx::Er
 impl InboxStore for SqliteStore {
     type Db = Sqlite;
 
-    async fn begin(&self) -> Result<Transaction<'static, Sqlite>, sqlx::Error> {
-        self.pool.begin_with("BEGIN IMMEDIATE").await
-    }
-
-    async fn claim(
+    async fn begin_claim(
         &self,
-        tx: &mut Transaction<'static, Sqlite>,
         key: &ClaimKey<'_>,
-    ) -> Result<Option<FirstDelivery>, sqlx::Error> {
+    ) -> Result<(Transaction<'static, Sqlite>, Option<FirstDelivery>), sqlx::Error> {
+        // The write lock up front: the lookup and all that follows run alone.
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let months = if key.probe_all {
-            list_tables(tx).await?
+            list_tables(&mut tx).await?
         } else {
             vec![key.bucket]
         };
         if months.is_empty() {
-            return Ok(None);
+            return Ok((tx, None));
         }
         // Table names come from validated Months only.
         let sql = months
@@ -117,15 +114,17 @@ impl InboxStore for SqliteStore {
         )))
         .bind(key.consumer_type.as_str())
         .bind(key.message_id.as_str())
-        .fetch_optional(&mut **tx)
+        .fetch_optional(&mut *tx)
         .await?;
-        row.map(|row| {
-            Ok(FirstDelivery {
-                processed_at: row.try_get("processed_at")?,
-                result: row.try_get::<Json<Value>, _>("result")?.0,
+        let first = row
+            .map(|row| {
+                Ok::<_, sqlx::Error>(FirstDelivery {
+                    processed_at: row.try_get("processed_at")?,
+                    result: row.try_get::<Json<Value>, _>("result")?.0,
+                })
             })
-        })
-        .transpose()
+            .transpose()?;
+        Ok((tx, first))
     }
 
     async fn record(
