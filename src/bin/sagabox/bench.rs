@@ -197,19 +197,21 @@ macro_rules! backend_runner {
             let mut rng = StdRng::seed_from_u64(args.seed);
             let claim_only = args.claim_only;
             let mut results = Vec::new();
+            // Every mode gets the same messages; its own consumer type (guard) or table
+            // (raw_sql) keeps one mode's claims from meeting another's.
+            let messages = workload(args, &mut rng);
+            let warmup = workload(
+                &BenchArgs {
+                    messages: (args.messages / 10).max(1),
+                    ..args.clone()
+                },
+                &mut rng,
+            );
             for mode in Mode::ALL
                 .into_iter()
                 .filter(|m| args.modes.is_empty() || args.modes.iter().any(|n| n == m.name()))
             {
-                let messages = workload(args, &mut rng);
-                let warmup = workload(
-                    &BenchArgs {
-                        messages: (args.messages / 10).max(1),
-                        ..args.clone()
-                    },
-                    &mut rng,
-                );
-                // A fresh consumer type per mode keeps every mode's keys fresh.
+                let (messages, warmup) = (messages.clone(), warmup.clone());
                 let consumer = ConsumerType::new(format!("bench-{}", mode.name()))?;
                 let op = {
                     let (pool, guard, consumer) = (pool.clone(), guard.clone(), consumer.clone());

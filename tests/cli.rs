@@ -1,0 +1,142 @@
+//! The `sagabox` binary: `migrate` and `bench`, run as a user would, against a fresh
+//! SQLite file and a fresh PostgreSQL database.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::process::Command;
+
+fn sagabox(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_sagabox"))
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("run sagabox")
+}
+
+fn stdout(output: &std::process::Output) -> String {
+    assert!(
+        output.status.success(),
+        "sagabox failed: {}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+#[tokio::test]
+async fn migrate_creates_partitions_on_sqlite_and_is_idempotent() {
+    let db = common::Lite::new().await;
+    let first = stdout(&sagabox(&["migrate", "--database-url", &db.url]));
+    // The fixture already ran the migrations; partitions are what migrate adds here.
+    assert!(first.contains("partitions created: "), "{first}");
+    assert!(!first.contains("none"), "{first}");
+    let second = stdout(&sagabox(&["migrate", "--database-url", &db.url]));
+    assert!(second.contains("none (all present)"), "{second}");
+    let tables = db
+        .scalar("SELECT COUNT(*) FROM sqlite_master WHERE name LIKE 'sagabox_inbox_%'")
+        .await;
+    assert_eq!(tables, 3, "current month and 2 ahead");
+}
+
+#[tokio::test]
+async fn migrate_runs_on_a_fresh_postgres_database() {
+    let db = common::Pg::new().await;
+    let out = stdout(&sagabox(&[
+        "migrate",
+        "--database-url",
+        &db.url,
+        "--partitions-ahead",
+        "4",
+    ]));
+    assert!(out.contains("partitions created: "), "{out}");
+    let partitions = db
+        .scalar("SELECT COUNT(*) FROM pg_inherits WHERE inhparent = 'sagabox_inbox'::regclass")
+        .await;
+    assert_eq!(partitions, 5);
+}
+
+#[test]
+fn migrate_refuses_an_unknown_url_without_leaking_the_password() {
+    let output = sagabox(&["migrate", "--database-url", "mysql://app:hunter2@db/x"]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("unsupported database url"), "{stderr}");
+    assert!(!stderr.contains("hunter2"), "{stderr}");
+}
+
+fn check_bench_json(text: &str, messages: u64) {
+    let report: serde_json::Value = serde_json::from_str(text.trim()).expect("one JSON object");
+    let modes = report["modes"].as_array().expect("modes");
+    let names: Vec<&str> = modes.iter().map(|m| m["mode"].as_str().unwrap()).collect();
+    assert_eq!(names, ["raw_sql", "guard", "no_inbox"]);
+    for mode in modes {
+        assert_eq!(mode["messages"].as_u64(), Some(messages), "{mode}");
+        assert!(mode["msgs_per_sec"].as_f64().unwrap() > 0.0, "{mode}");
+        assert!(mode["p99_us"].as_u64().unwrap() >= mode["p50_us"].as_u64().unwrap());
+    }
+    assert_eq!(modes[0]["ratio_to_raw"].as_f64(), Some(1.0));
+}
+
+#[tokio::test]
+async fn bench_reports_every_mode_on_postgres_and_dedups_repeats() {
+    let db = common::Pg::new().await;
+    let out = stdout(&sagabox(&[
+        "bench",
+        "--database-url",
+        &db.url,
+        "--messages",
+        "300",
+        "--concurrency",
+        "4",
+        "--duplicate-rate",
+        "0.3",
+        "--json",
+    ]));
+    check_bench_json(&out, 300);
+    let report: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let applied = |i: usize| report["modes"][i]["applied"].as_u64().unwrap();
+    // The same repeated ids: the raw baseline and the guard both apply each once;
+    // without an inbox every repeat is applied again.
+    assert_eq!(applied(0), applied(1));
+    assert!(applied(1) < 300, "repeats were deduplicated");
+    assert_eq!(applied(2), 300);
+    // The scratch schema is gone afterwards.
+    let left = db
+        .scalar("SELECT COUNT(*) FROM pg_namespace WHERE nspname LIKE 'sagabox_bench_%'")
+        .await;
+    assert_eq!(left, 0);
+}
+
+#[test]
+fn bench_runs_on_sqlite() {
+    let out = stdout(&sagabox(&[
+        "bench",
+        "--database-url",
+        "sqlite:ignored.db",
+        "--messages",
+        "200",
+        "--concurrency",
+        "2",
+        "--json",
+    ]));
+    check_bench_json(&out, 200);
+}
+
+#[test]
+fn bench_refuses_bad_arguments() {
+    let output = sagabox(&[
+        "bench",
+        "--database-url",
+        "sqlite:x.db",
+        "--duplicate-rate",
+        "1.5",
+    ]);
+    assert!(!output.status.success());
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("--duplicate-rate must be within 0..=1")
+    );
+    let output = sagabox(&["bench", "--database-url", "sqlite:x.db", "--modes", "turbo"]);
+    assert!(String::from_utf8_lossy(&output.stderr).contains("unknown mode \"turbo\""));
+}
