@@ -69,4 +69,4 @@ pub use month::Month;
 pub use store::PostgresStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
-pub use store::{FirstDelivery, InboxStore};
+pub use store::{FirstDelivery, InboxStore, PartitionCreation};

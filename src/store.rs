@@ -43,6 +43,17 @@ pub struct ClaimKey<'a> {
     pub probe_all: bool,
 }
 
+/// What [`InboxStore::create_partition`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PartitionCreation {
+    /// The partition was created.
+    Created,
+    /// It already existed.
+    Existed,
+    /// The month was already pruned; it is not created again.
+    Pruned,
+}
+
 /// What the first delivery of a message left in the inbox.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FirstDelivery {
@@ -80,20 +91,25 @@ pub trait InboxStore: Debug + Send + Sync + 'static {
         result: &Value,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
-    /// Creates the partition for `month` unless it exists. Returns whether it created it.
+    /// Creates the partition for `month` unless it exists or the month was already
+    /// pruned (a pruned month is never created again).
     fn create_partition(
         &self,
         month: Month,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<PartitionCreation, sqlx::Error>> + Send;
 
     /// The months that have a partition, oldest first.
     fn partitions(&self) -> impl Future<Output = Result<Vec<Month>, sqlx::Error>> + Send;
 
-    /// Drops the whole partition of `month` (never row by row). Returns whether it existed.
+    /// Records `month` as pruned, then drops its whole partition (never row by row).
+    /// Returns whether it existed.
     fn drop_partition(
         &self,
         month: Month,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Whether `error` says a partition table does not exist (dropped under a claim).
+    fn is_missing_partition(error: &sqlx::Error) -> bool;
 
     /// Runs this backend's embedded migrations.
     fn migrate(&self) -> impl Future<Output = Result<(), sqlx::migrate::MigrateError>> + Send;

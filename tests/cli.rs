@@ -35,7 +35,7 @@ async fn migrate_creates_partitions_on_sqlite_and_is_idempotent() {
     let second = stdout(&sagabox(&["migrate", "--database-url", &db.url]));
     assert!(second.contains("none (all present)"), "{second}");
     let tables = db
-        .scalar("SELECT COUNT(*) FROM sqlite_master WHERE name LIKE 'sagabox_inbox_%'")
+        .scalar("SELECT COUNT(*) FROM sqlite_master WHERE name GLOB 'sagabox_inbox_[0-9][0-9][0-9][0-9]_[0-9][0-9]'")
         .await;
     assert_eq!(tables, 3, "current month and 2 ahead");
 }

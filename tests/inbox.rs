@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, TimeZone, Utc};
 use sagabox::{
-    ConsumerType, Envelope, GuardError, InboxConfig, InboxError, KeyError, ManualClock, MessageId,
-    Month, Outcome,
+    Clock, ConsumerType, Envelope, GuardError, InboxConfig, InboxError, KeyError, ManualClock,
+    MessageId, Month, Outcome,
 };
 use serde_json::json;
 
@@ -48,6 +48,31 @@ fn envelope(id: &str, timing: Timing) -> Envelope {
     match timing {
         Timing::Published(t) => envelope.with_published_at(t),
         _ => envelope,
+    }
+}
+
+/// A clock that says when a guard first asked it for the time.
+#[derive(Debug)]
+struct SignalClock {
+    inner: ManualClock,
+    started: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+}
+
+impl SignalClock {
+    fn new(inner: ManualClock, started: tokio::sync::oneshot::Sender<()>) -> Self {
+        Self {
+            inner,
+            started: std::sync::Mutex::new(Some(started)),
+        }
+    }
+}
+
+impl Clock for SignalClock {
+    fn now(&self) -> DateTime<Utc> {
+        if let Some(started) = self.started.lock().unwrap().take() {
+            let _ = started.send(());
+        }
+        self.inner.now()
     }
 }
 
@@ -270,9 +295,86 @@ macro_rules! inbox_suite {
                 race_across_boundary(Timing::Unknown).await;
             }
 
+            /// Two processing clocks either side of midnight, one publish time: both
+            /// deliveries must meet in the publish month, not in their processing months.
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn deliveries_racing_across_the_month_boundary_with_publish_time_apply_once() {
+            async fn deliveries_processed_either_side_of_the_boundary_meet_in_the_publish_month() {
                 race_across_boundary(Timing::Published(at(2026, 11, 30, 23, 59, 58))).await;
+            }
+
+            /// A pruner whose clock is ahead drops November while consumers whose clocks
+            /// are behind still count a late-November message inside the window: their
+            /// redeliveries must be refused, never applied to a recreated, empty month.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_pruned_month_is_never_recreated_for_a_late_redelivery() {
+                let fx = fixture().await;
+                let two_weeks = InboxConfig::default().with_ttl(14 * DAY);
+                let published = at(2026, 11, 30, 23, 59, 59);
+                let first_clock = ManualClock::new(at(2026, 12, 1, 8, 0, 0));
+                let cached = InboxGuard::new(fx.store(2).await, two_weeks.clone()).unwrap().with_clock(first_clock.clone());
+                let payment = consumer("payment");
+                const KEYS: usize = 40;
+                let messages: Vec<Envelope> = (0..KEYS)
+                    .map(|k| envelope(&format!("late-{k}"), Timing::Published(published)))
+                    .collect();
+                for message in &messages {
+                    assert!(matches!(deliver(&cached, &payment, message, "first").await, Outcome::Applied(_)));
+                }
+
+                // Consumers 1 s behind the pruner, redelivering while it drops November.
+                let behind = ManualClock::new(at(2026, 12, 14, 23, 59, 59));
+                first_clock.set(behind.now());
+                let pruner = InboxGuard::new(fx.store(1).await, two_weeks.clone())
+                    .unwrap()
+                    .with_clock(ManualClock::new(at(2026, 12, 15, 0, 0, 1)));
+                let mut tasks = Vec::new();
+                for task in 0..4 {
+                    // Task 0 reuses the guard that cached November as present.
+                    let guard = if task == 0 {
+                        cached.clone()
+                    } else {
+                        InboxGuard::new(fx.store(1).await, two_weeks.clone()).unwrap().with_clock(behind.clone())
+                    };
+                    let (messages, payment) = (messages.clone(), payment.clone());
+                    tasks.push(tokio::spawn(async move {
+                        let mut refused = 0;
+                        for round in 0..3 {
+                            for message in &messages {
+                                match guard
+                                    .process(&payment, message, async |conn, env| apply(conn, &payment, env, "late").await)
+                                    .await
+                                {
+                                    Ok(Outcome::Duplicate { .. }) => {}
+                                    Ok(applied) => panic!("round {round}: {} applied again: {applied:?}", message.id),
+                                    Err(GuardError::Inbox(InboxError::PartitionPruned(month))) => {
+                                        assert_eq!(month, Month::new(2026, 11).unwrap());
+                                        refused += 1;
+                                    }
+                                    // A claim caught mid-drop fails like any database error.
+                                    Err(GuardError::Inbox(error)) if error.is_retryable() => {}
+                                    Err(other) => panic!("unexpected: {other:?}"),
+                                }
+                            }
+                        }
+                        refused
+                    }));
+                }
+                assert_eq!(pruner.drop_expired_partitions().await.unwrap(), vec![Month::new(2026, 11).unwrap()]);
+                let mut refused = 0;
+                for task in tasks {
+                    refused += task.await.expect("no double apply");
+                }
+                assert!(refused > 0, "after the drop every redelivery is refused");
+                // After the drop, each guard — cached or not — refuses.
+                let late = &messages[0];
+                for guard in [&cached, &InboxGuard::new(fx.store(1).await, two_weeks).unwrap().with_clock(behind.clone())] {
+                    let refused = guard
+                        .process(&payment, late, async |conn, env| apply(conn, &payment, env, "late").await)
+                        .await;
+                    assert!(matches!(refused, Err(GuardError::Inbox(InboxError::PartitionPruned(_)))), "{refused:?}");
+                }
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, KEYS as i64);
+                assert!(!guard(&fx, &behind, 1).await.partitions().await.unwrap().contains(&Month::new(2026, 11).unwrap()));
             }
 
             #[tokio::test]
@@ -309,7 +411,11 @@ macro_rules! inbox_suite {
                     let fx = fixture().await;
                     let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
                     let first_guard = guard(&fx, &clock, 1).await;
-                    let second_guard = guard(&fx, &clock, 1).await;
+                    // Tells us when the second delivery has entered the guard.
+                    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+                    let second_guard = InboxGuard::new(fx.store(1).await, config())
+                        .unwrap()
+                        .with_clock(SignalClock::new(clock.clone(), started_tx));
                     let payment = consumer("payment");
                     let message = envelope("order-race/charge", timing);
                     let handler_runs = Arc::new(AtomicUsize::new(0));
@@ -344,6 +450,7 @@ macro_rules! inbox_suite {
                                 .expect("second")
                         })
                     };
+                    started_rx.await.expect("second delivery started");
                     fx.wait_for_blocked_claim().await;
                     assert_eq!(handler_runs.load(Ordering::SeqCst), 1, "{timing:?}: the duplicate ran its handler while the first was open");
                     release_tx.send(()).expect("release");
@@ -557,3 +664,99 @@ macro_rules! inbox_suite {
 
 inbox_suite!(postgres, common::Pg, sqlx::Postgres);
 inbox_suite!(sqlite, common::Lite, sqlx::Sqlite);
+
+/// Only PostgreSQL can have a row appear under a claim: SQLite's claim holds the write lock.
+mod postgres_only {
+    use super::*;
+    use sagabox::InboxGuard;
+
+    /// A delivery of the same key commits while our handler runs (here: written behind
+    /// the guard's back, as a racing claim whose commit slipped between our lookup's
+    /// snapshot and our lock would). Our insert then meets it: the handler's writes must
+    /// roll back and the answer must be the row that won.
+    #[tokio::test]
+    async fn a_late_conflict_rolls_back_the_handler_and_answers_with_the_winner() {
+        let fx = common::Pg::new().await;
+        fx.exec(EFFECTS_DDL).await;
+        let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
+        let guard = InboxGuard::new(fx.store(1).await, InboxConfig::default())
+            .unwrap()
+            .with_clock(clock);
+        let payment = consumer("payment");
+        let message = envelope(
+            "order-late/charge",
+            Timing::Published(at(2026, 12, 2, 9, 0, 0)),
+        );
+        let outside = fx.pool.clone();
+        let outcome = guard
+            .process(&payment, &message, async |conn, env| {
+                sqlx::query("INSERT INTO effects (consumer_type, message_id, note) VALUES ($1, $2, 'loser')")
+                    .bind(payment.as_str())
+                    .bind(env.id.as_str())
+                    .execute(&mut *conn)
+                    .await?;
+                sqlx::query(
+                    "INSERT INTO sagabox_inbox (consumer_type, message_id, bucket, processed_at, result) \
+                     VALUES ($1, $2, '2026-12-01', '2026-12-02T09:59:00Z', '{\"winner\": true}')",
+                )
+                .bind(payment.as_str())
+                .bind(env.id.as_str())
+                .execute(&outside)
+                .await?;
+                Ok::<_, sqlx::Error>(json!({"winner": false}))
+            })
+            .await
+            .expect("process");
+        assert_eq!(
+            outcome,
+            Outcome::Duplicate {
+                first_processed_at: at(2026, 12, 2, 9, 59, 0),
+                result: json!({"winner": true})
+            }
+        );
+        assert_eq!(
+            fx.scalar("SELECT COUNT(*) FROM effects").await,
+            0,
+            "the loser's side effect rolled back"
+        );
+        assert_eq!(fx.inbox_rows().await, 1);
+    }
+}
+
+mod postgres_partition_ddl {
+    use super::*;
+    use sagabox::InboxGuard;
+
+    /// Creating a month on the claim path must not wait for open transactions on the
+    /// inbox (`CREATE TABLE … PARTITION OF` would: it locks the parent exclusively).
+    #[tokio::test]
+    async fn creating_a_month_does_not_wait_for_open_claims() {
+        let fx = common::Pg::new().await;
+        let guard = InboxGuard::new(fx.store(2).await, InboxConfig::default())
+            .unwrap()
+            .with_clock(ManualClock::new(at(2026, 12, 2, 10, 0, 0)));
+        guard
+            .create_partitions(month(2026, 12), month(2026, 12))
+            .await
+            .unwrap();
+        // A transaction that wrote to the inbox and stays open.
+        let mut open = fx.pool.begin().await.unwrap();
+        sqlx::query(
+            "INSERT INTO sagabox_inbox (consumer_type, message_id, bucket, processed_at, result) \
+             VALUES ('payment', 'open-tx', '2026-12-01', now(), 'null')",
+        )
+        .execute(&mut *open)
+        .await
+        .unwrap();
+        // 10 s is a hang detector, not a speed claim: blocked, this never returns.
+        let created = tokio::time::timeout(
+            Duration::from_secs(10),
+            guard.create_partitions(month(2027, 6), month(2027, 6)),
+        )
+        .await
+        .expect("partition creation waited for an open transaction on the parent")
+        .unwrap();
+        assert_eq!(created, vec![month(2027, 6)]);
+        open.rollback().await.unwrap();
+    }
+}

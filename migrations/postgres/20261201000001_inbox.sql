@@ -15,3 +15,12 @@ CREATE TABLE sagabox_inbox (
     result        jsonb       NOT NULL,
     PRIMARY KEY (consumer_type, message_id, bucket)
 ) PARTITION BY RANGE (bucket);
+
+-- The newest month the pruner has dropped (or is dropping). A month at or before it is
+-- never created again: a late redelivery must be refused, not find an empty partition and
+-- be applied a second time. Written before a partition is detached, under the same
+-- advisory lock (1398892385, 0) that partition creation takes. No row: nothing pruned.
+CREATE TABLE sagabox_inbox_pruned (
+    singleton      boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    pruned_through date    NOT NULL
+);

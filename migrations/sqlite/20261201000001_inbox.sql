@@ -5,10 +5,10 @@
 --   processed_at TEXT NOT NULL, result TEXT NOT NULL,
 --   PRIMARY KEY (consumer_type, message_id)  -- WITHOUT ROWID
 --
--- This migration records the layout version; later migrations build on it.
-CREATE TABLE IF NOT EXISTS sagabox_layout (
-    component TEXT PRIMARY KEY,
-    version   INTEGER NOT NULL
+-- The newest month the pruner has dropped ('YYYY-MM'). A month at or before it is never
+-- created again: a late redelivery must be refused, not find an empty table and be
+-- applied a second time. No row: nothing pruned.
+CREATE TABLE sagabox_inbox_pruned (
+    singleton      INTEGER PRIMARY KEY CHECK (singleton = 1),
+    pruned_through TEXT NOT NULL
 );
-INSERT INTO sagabox_layout (component, version) VALUES ('inbox', 1)
-    ON CONFLICT (component) DO UPDATE SET version = excluded.version;

@@ -4,6 +4,8 @@
 use std::time::Duration;
 
 const DAY: Duration = Duration::from_secs(24 * 60 * 60);
+const MAX_TTL: Duration = Duration::from_secs(3650 * 24 * 60 * 60);
+const MAX_FUTURE_SKEW: Duration = Duration::from_secs(31 * 24 * 60 * 60);
 
 /// A configuration the inbox refuses to run with.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -27,6 +29,16 @@ pub enum ConfigError {
         "broker retention is zero: set it to the broker's maximum redelivery window (SQS: 14 days)"
     )]
     ZeroRetention,
+    /// A TTL beyond what the inbox can reason about.
+    #[error(
+        "inbox ttl of {0:?} is longer than the limit of 10 years: keep rows for a bounded time"
+    )]
+    TtlTooLong(Duration),
+    /// A future skew beyond a month.
+    #[error(
+        "max_future_skew of {0:?} is longer than the limit of 31 days: fix the producer's clock instead"
+    )]
+    SkewTooLarge(Duration),
     /// More partitions ahead than a year.
     #[error("partitions_ahead is {0}: create at most 12 months ahead")]
     TooManyPartitionsAhead(u32),
@@ -99,6 +111,12 @@ impl InboxConfig {
                 retention_days: self.broker_retention.as_secs_f64() / DAY.as_secs_f64(),
             });
         }
+        if self.ttl > MAX_TTL {
+            return Err(ConfigError::TtlTooLong(self.ttl));
+        }
+        if self.max_future_skew > MAX_FUTURE_SKEW {
+            return Err(ConfigError::SkewTooLarge(self.max_future_skew));
+        }
         if self.partitions_ahead > 12 {
             return Err(ConfigError::TooManyPartitionsAhead(self.partitions_ahead));
         }
@@ -121,5 +139,15 @@ mod tests {
         );
         assert!(InboxConfig::default().validate().is_ok());
         assert!(InboxConfig::default().with_ttl(14 * DAY).validate().is_ok());
+        assert!(matches!(
+            InboxConfig::default().with_ttl(Duration::MAX).validate(),
+            Err(ConfigError::TtlTooLong(_))
+        ));
+        assert!(matches!(
+            InboxConfig::default()
+                .with_max_future_skew(Duration::MAX)
+                .validate(),
+            Err(ConfigError::SkewTooLarge(_))
+        ));
     }
 }

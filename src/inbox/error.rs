@@ -2,7 +2,7 @@
 
 use chrono::{DateTime, Utc};
 
-use crate::envelope::MessageId;
+use crate::envelope::{ConsumerType, MessageId};
 use crate::inbox::ConfigError;
 use crate::month::{Month, MonthError};
 
@@ -49,11 +49,25 @@ pub enum InboxError {
         "unsupported database url {0:?}: use postgres://… or sqlite:… (and the matching cargo feature)"
     )]
     UnsupportedUrl(String),
-    /// The partition for a month could not be found where it was expected.
+    /// The message's month was already pruned: its first delivery, if there was one, is no
+    /// longer on record, so it cannot be deduplicated and is refused.
     #[error(
-        "inbox partition for {0} is missing; run `sagabox migrate` or the pruner to create partitions"
+        "inbox partition {0} was already pruned: the message is older than the deduplication window \
+         and is refused; raise the inbox ttl above the broker's redelivery window, or dead-letter it"
     )]
-    MissingPartition(Month),
+    PartitionPruned(Month),
+    /// Another delivery recorded the key while this one ran, but its row could not be read
+    /// back. Nothing was applied; try again.
+    #[error(
+        "message {message_id} for {consumer_type} was recorded by a racing delivery whose row \
+         could not be read back; nothing was applied, retry"
+    )]
+    ClaimVanished {
+        /// The consumer.
+        consumer_type: ConsumerType,
+        /// The message.
+        message_id: MessageId,
+    },
     /// Running the migrations failed.
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
@@ -68,7 +82,7 @@ impl InboxError {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            InboxError::Database(_) | InboxError::MissingPartition(_)
+            InboxError::Database(_) | InboxError::ClaimVanished { .. }
         )
     }
 }

@@ -13,7 +13,7 @@ use crate::envelope::{ConsumerType, Envelope};
 use crate::inbox::{ConfigError, GuardError, InboxConfig, InboxError, Outcome};
 use crate::metrics;
 use crate::month::Month;
-use crate::store::{ClaimKey, InboxStore};
+use crate::store::{ClaimKey, InboxStore, PartitionCreation};
 
 /// The dedup gate every consumed message passes.
 ///
@@ -122,7 +122,16 @@ impl<S: InboxStore> InboxGuard<S> {
         self.ensure_partition(key.bucket).await?;
 
         let claim_started = Instant::now();
-        let (mut tx, first) = self.store.begin_claim(&key).await?;
+        let (mut tx, first) = match self.store.begin_claim(&key).await {
+            Err(error) if S::is_missing_partition(&error) => {
+                // Dropped by a pruner since we cached it: ask again. A pruned month is
+                // refused, never recreated empty.
+                self.known().remove(&key.bucket);
+                self.ensure_partition(key.bucket).await?;
+                self.store.begin_claim(&key).await?
+            }
+            claimed => claimed?,
+        };
         metrics::claim_duration(claim_started.elapsed());
         if let Some(first) = first {
             tx.rollback().await?;
@@ -144,12 +153,21 @@ impl<S: InboxStore> InboxGuard<S> {
         };
 
         if !self.store.record(&mut tx, &key, now, &result).await? {
-            // Unreachable while every writer claims first; kept as a second line of
-            // defence: nothing of ours may commit, and the existing row answers.
+            // A delivery of the same key committed between our claim's snapshot and its
+            // lock (see `PostgresStore`): our handler ran but must not count. Roll it
+            // all back and answer with the row that won.
             tx.rollback().await?;
             let (tx, first) = self.store.begin_claim(&key).await?;
             tx.rollback().await?;
-            let first = first.ok_or(InboxError::MissingPartition(key.bucket))?;
+            let first = first.ok_or_else(|| InboxError::ClaimVanished {
+                consumer_type: consumer_type.clone(),
+                message_id: envelope.id.clone(),
+            })?;
+            tracing::debug!(
+                consumer_type = %consumer_type,
+                message_id = %envelope.id,
+                "late conflict: handler rolled back, answered with the first result"
+            );
             return Ok(Outcome::Duplicate {
                 first_processed_at: first.processed_at,
                 result: first.result,
@@ -177,7 +195,9 @@ impl<S: InboxStore> InboxGuard<S> {
                 probe_all: true,
             });
         };
-        let window_start = now - to_delta(self.config.ttl);
+        let window_start = now
+            .checked_sub_signed(to_delta(self.config.ttl))
+            .unwrap_or(DateTime::<Utc>::MIN_UTC);
         if filed_at < window_start {
             return Err(InboxError::Expired {
                 message_id: message_id.clone(),
@@ -185,7 +205,10 @@ impl<S: InboxStore> InboxGuard<S> {
                 window_start,
             });
         }
-        if filed_at > now + to_delta(self.config.max_future_skew) {
+        let latest = now
+            .checked_add_signed(to_delta(self.config.max_future_skew))
+            .unwrap_or(DateTime::<Utc>::MAX_UTC);
+        if filed_at > latest {
             return Err(InboxError::PublishedInFuture {
                 message_id: message_id.clone(),
                 filed_at,
@@ -204,8 +227,10 @@ impl<S: InboxStore> InboxGuard<S> {
         if self.known().contains(&month) {
             return Ok(());
         }
-        if self.store.create_partition(month).await? {
-            metrics::partition_created();
+        match self.store.create_partition(month).await? {
+            PartitionCreation::Pruned => return Err(InboxError::PartitionPruned(month)),
+            PartitionCreation::Created => metrics::partition_created(),
+            PartitionCreation::Existed => {}
         }
         self.known().insert(month);
         Ok(())
@@ -233,7 +258,8 @@ impl<S: InboxStore> InboxGuard<S> {
             .await
     }
 
-    /// Creates the partitions of `first..=last`. Returns the months it created.
+    /// Creates the partitions of `first..=last`. Returns the months it created; months
+    /// already pruned are skipped, never recreated.
     pub async fn create_partitions(
         &self,
         first: Month,
@@ -241,9 +267,13 @@ impl<S: InboxStore> InboxGuard<S> {
     ) -> Result<Vec<Month>, InboxError> {
         let mut created = Vec::new();
         for month in first.through(last) {
-            if self.store.create_partition(month).await? {
-                metrics::partition_created();
-                created.push(month);
+            match self.store.create_partition(month).await? {
+                PartitionCreation::Created => {
+                    metrics::partition_created();
+                    created.push(month);
+                }
+                PartitionCreation::Existed => {}
+                PartitionCreation::Pruned => continue,
             }
             self.known().insert(month);
         }
@@ -258,7 +288,11 @@ impl<S: InboxStore> InboxGuard<S> {
     /// The partitions wholly older than the TTL: every row in them was filed before
     /// `now − ttl`, so no message still inside the window can need them.
     pub async fn expired_partitions(&self) -> Result<Vec<Month>, InboxError> {
-        let window_start = self.clock.now() - to_delta(self.config.ttl);
+        let window_start = self
+            .clock
+            .now()
+            .checked_sub_signed(to_delta(self.config.ttl))
+            .unwrap_or(DateTime::<Utc>::MIN_UTC);
         let mut months = self.store.partitions().await?;
         months.retain(|month| month.end() <= window_start);
         Ok(months)
@@ -269,7 +303,8 @@ impl<S: InboxStore> InboxGuard<S> {
     pub async fn drop_expired_partitions(&self) -> Result<Vec<Month>, InboxError> {
         let mut dropped = Vec::new();
         for month in self.expired_partitions().await? {
-            // Forget it first: a claim that raced us will recreate rather than miss it.
+            // Claims that cached it will find it gone and be refused (the store records
+            // the month as pruned before dropping it).
             self.known().remove(&month);
             if self.store.drop_partition(month).await? {
                 metrics::partition_dropped();

@@ -12,7 +12,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, NaiveDate, Utc};
 use serde_json::Value;
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
@@ -20,7 +20,7 @@ use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
 
 use crate::month::Month;
-use crate::store::{ClaimKey, FirstDelivery, InboxStore, PARTITION_PREFIX};
+use crate::store::{ClaimKey, FirstDelivery, InboxStore, PARTITION_PREFIX, PartitionCreation};
 
 /// The PostgreSQL migrations, embedded at build time.
 pub static MIGRATOR: Migrator = sqlx::migrate!("migrations/postgres");
@@ -196,39 +196,56 @@ impl InboxStore for PostgresStore {
         Ok(done.rows_affected() == 1)
     }
 
-    async fn create_partition(&self, month: Month) -> Result<bool, sqlx::Error> {
+    async fn create_partition(&self, month: Month) -> Result<PartitionCreation, sqlx::Error> {
         let name = partition_name(month);
         let mut tx = self.pool.begin().await?;
+        // Serialises with other creators and with the pruner's watermark update.
         sqlx::query("SELECT pg_advisory_xact_lock($1, 0)")
             .bind(LOCK_CLASS)
             .execute(&mut *tx)
             .await?;
-        let (exists, attached): (bool, bool) = sqlx::query_as(
-            "SELECT to_regclass($1) IS NOT NULL, EXISTS (SELECT 1 FROM pg_inherits \
-             WHERE inhparent = 'sagabox_inbox'::regclass AND inhrelid = to_regclass($1))",
+        let (exists, attached, pruned_through): (bool, bool, Option<NaiveDate>) = sqlx::query_as(
+            "SELECT to_regclass($1) IS NOT NULL, \
+                    EXISTS (SELECT 1 FROM pg_inherits \
+                             WHERE inhparent = 'sagabox_inbox'::regclass AND inhrelid = to_regclass($1)), \
+                    (SELECT pruned_through FROM sagabox_inbox_pruned)",
         )
         .bind(&name)
         .fetch_one(&mut *tx)
         .await?;
+        if pruned_through.is_some_and(|through| month.first_day() <= through) {
+            tx.commit().await?;
+            return Ok(PartitionCreation::Pruned);
+        }
         if attached {
             tx.commit().await?;
-            return Ok(false);
+            return Ok(PartitionCreation::Existed);
         }
         if exists {
-            // Left detached by a drop that stopped half-way: its rows were expiring.
+            // A table of this name that is not attached: not ours to keep.
             sqlx::query(AssertSqlSafe(format!("DROP TABLE {name}")))
                 .execute(&mut *tx)
                 .await?;
         }
-        // `name` and both bounds are rendered from a validated Month: no outside text.
-        let ddl = format!(
-            "CREATE TABLE {name} PARTITION OF sagabox_inbox FOR VALUES FROM ('{}') TO ('{}')",
+        // Created standalone, then attached: `CREATE TABLE … PARTITION OF` would take an
+        // ACCESS EXCLUSIVE lock on the parent and stall every claim behind the longest
+        // open transaction; `ATTACH PARTITION` takes SHARE UPDATE EXCLUSIVE, which
+        // inserts and lookups do not conflict with. `name` and both bounds are rendered
+        // from a validated Month: no outside text.
+        sqlx::query(AssertSqlSafe(format!(
+            "CREATE TABLE {name} (LIKE sagabox_inbox INCLUDING ALL)"
+        )))
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(AssertSqlSafe(format!(
+            "ALTER TABLE sagabox_inbox ATTACH PARTITION {name} FOR VALUES FROM ('{}') TO ('{}')",
             month.first_day(),
             month.end().date_naive(),
-        );
-        sqlx::query(AssertSqlSafe(ddl)).execute(&mut *tx).await?;
+        )))
+        .execute(&mut *tx)
+        .await?;
         tx.commit().await?;
-        Ok(true)
+        Ok(PartitionCreation::Created)
     }
 
     async fn partitions(&self) -> Result<Vec<Month>, sqlx::Error> {
@@ -249,6 +266,23 @@ impl InboxStore for PostgresStore {
 
     async fn drop_partition(&self, month: Month) -> Result<bool, sqlx::Error> {
         let name = partition_name(month);
+        // The watermark first, under the creators' lock, and committed: from here on no
+        // claim can recreate this month, even between the detach and the drop below.
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1, 0)")
+            .bind(LOCK_CLASS)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "INSERT INTO sagabox_inbox_pruned (pruned_through) VALUES ($1) \
+             ON CONFLICT (singleton) DO UPDATE \
+             SET pruned_through = GREATEST(sagabox_inbox_pruned.pruned_through, excluded.pruned_through)",
+        )
+        .bind(month.first_day())
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+
         let mut conn = self.pool.acquire().await?;
         let state: Option<(bool, Option<bool>)> = sqlx::query_as(
             "SELECT true, (SELECT inhdetachpending FROM pg_inherits \
@@ -258,33 +292,34 @@ impl InboxStore for PostgresStore {
         .bind(&name)
         .fetch_optional(&mut *conn)
         .await?;
-        let Some((_, attached)) = state else {
+        let Some((_, detach_pending)) = state else {
             return Ok(false);
         };
         // Detach first, CONCURRENTLY, so claims on the other partitions never wait for
         // an exclusive lock on the parent; then the drop touches only the detached table.
         // CONCURRENTLY cannot run in a transaction block: a simple-protocol statement.
-        match attached {
-            Some(false) => {
-                sqlx::raw_sql(AssertSqlSafe(format!(
-                    "ALTER TABLE sagabox_inbox DETACH PARTITION {name} CONCURRENTLY"
-                )))
-                .execute(&mut *conn)
-                .await?;
-            }
-            Some(true) => {
-                sqlx::raw_sql(AssertSqlSafe(format!(
-                    "ALTER TABLE sagabox_inbox DETACH PARTITION {name} FINALIZE"
-                )))
-                .execute(&mut *conn)
-                .await?;
-            }
-            None => {}
+        // A detach interrupted half-way is finished with FINALIZE.
+        let detach = match detach_pending {
+            Some(false) => Some("CONCURRENTLY"),
+            Some(true) => Some("FINALIZE"),
+            None => None,
+        };
+        if let Some(how) = detach {
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "ALTER TABLE sagabox_inbox DETACH PARTITION {name} {how}"
+            )))
+            .execute(&mut *conn)
+            .await?;
         }
         sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE IF EXISTS {name}")))
             .execute(&mut *conn)
             .await?;
         Ok(true)
+    }
+
+    fn is_missing_partition(error: &sqlx::Error) -> bool {
+        // undefined_table: the partition a claim looked up by name is gone.
+        matches!(error, sqlx::Error::Database(e) if e.code().as_deref() == Some("42P01"))
     }
 
     async fn migrate(&self) -> Result<(), MigrateError> {

@@ -20,7 +20,7 @@ use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection, Transaction};
 
 use crate::month::Month;
-use crate::store::{ClaimKey, FirstDelivery, InboxStore, PARTITION_PREFIX};
+use crate::store::{ClaimKey, FirstDelivery, InboxStore, PARTITION_PREFIX, PartitionCreation};
 
 /// The SQLite migrations, embedded at build time.
 pub static MIGRATOR: Migrator = sqlx::migrate!("migrations/sqlite");
@@ -79,6 +79,20 @@ async fn list_tables(conn: &mut SqliteConnection) -> Result<Vec<Month>, sqlx::Er
         .collect();
     months.sort();
     Ok(months)
+}
+
+/// The newest pruned month, if any.
+async fn pruned_through(conn: &mut SqliteConnection) -> Result<Option<Month>, sqlx::Error> {
+    let through: Option<String> =
+        sqlx::query_scalar("SELECT pruned_through FROM sagabox_inbox_pruned")
+            .fetch_optional(&mut *conn)
+            .await?;
+    through
+        .map(|text| {
+            text.parse::<Month>()
+                .map_err(|error| sqlx::Error::Decode(Box::new(error)))
+        })
+        .transpose()
 }
 
 impl InboxStore for SqliteStore {
@@ -149,11 +163,18 @@ impl InboxStore for SqliteStore {
         Ok(done.rows_affected() == 1)
     }
 
-    async fn create_partition(&self, month: Month) -> Result<bool, sqlx::Error> {
+    async fn create_partition(&self, month: Month) -> Result<PartitionCreation, sqlx::Error> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        if pruned_through(&mut tx)
+            .await?
+            .is_some_and(|through| month <= through)
+        {
+            tx.commit().await?;
+            return Ok(PartitionCreation::Pruned);
+        }
         if list_tables(&mut tx).await?.contains(&month) {
             tx.commit().await?;
-            return Ok(false);
+            return Ok(PartitionCreation::Existed);
         }
         let ddl = format!(
             "CREATE TABLE {} (\
@@ -167,7 +188,7 @@ impl InboxStore for SqliteStore {
         );
         sqlx::query(AssertSqlSafe(ddl)).execute(&mut *tx).await?;
         tx.commit().await?;
-        Ok(true)
+        Ok(PartitionCreation::Created)
     }
 
     async fn partitions(&self) -> Result<Vec<Month>, sqlx::Error> {
@@ -176,7 +197,20 @@ impl InboxStore for SqliteStore {
     }
 
     async fn drop_partition(&self, month: Month) -> Result<bool, sqlx::Error> {
+        // Watermark and drop in one write transaction: no claim can recreate the month.
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        if pruned_through(&mut tx)
+            .await?
+            .is_none_or(|through| through < month)
+        {
+            sqlx::query(
+                "INSERT INTO sagabox_inbox_pruned (singleton, pruned_through) VALUES (1, $1) \
+                 ON CONFLICT (singleton) DO UPDATE SET pruned_through = excluded.pruned_through",
+            )
+            .bind(month.to_string())
+            .execute(&mut *tx)
+            .await?;
+        }
         let existed = list_tables(&mut tx).await?.contains(&month);
         if existed {
             sqlx::query(AssertSqlSafe(format!("DROP TABLE {}", table_name(month))))
@@ -185,6 +219,10 @@ impl InboxStore for SqliteStore {
         }
         tx.commit().await?;
         Ok(existed)
+    }
+
+    fn is_missing_partition(error: &sqlx::Error) -> bool {
+        matches!(error, sqlx::Error::Database(e) if e.message().contains("no such table"))
     }
 
     async fn migrate(&self) -> Result<(), MigrateError> {

@@ -189,7 +189,7 @@ impl Lite {
     /// Rows in the inbox, all monthly tables.
     pub async fn inbox_rows(&self) -> i64 {
         let tables: Vec<String> = sqlx::query_scalar(
-            "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE 'sagabox_inbox_%'",
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name GLOB 'sagabox_inbox_[0-9][0-9][0-9][0-9]_[0-9][0-9]'",
         )
         .fetch_all(&self.pool)
         .await
