@@ -144,7 +144,7 @@ validated_key!(
     /// UUID). Never a delivery tag.
     ///
     /// A UUIDv7 id also tells the inbox when the message was created (see
-    /// [`Envelope::dedup_time`]), which keeps the PostgreSQL claim on its fast path.
+    /// [`Envelope::dedup_time`]), which keeps the claim on its fast path: one partition.
     MessageId,
     "message id"
 );
@@ -249,10 +249,11 @@ impl Envelope {
         self
     }
 
-    /// The time the inbox files this message under, derived from the message alone so
-    /// that every redelivery lands in the same monthly partition: the timestamp inside a
-    /// UUIDv7 id (part of the identity itself, so it cannot drift between redeliveries),
-    /// else the publish time, else `None`.
+    /// The time the inbox files this message under (its partition month, and the time
+    /// its expiry is measured from): the timestamp inside a UUIDv7 id (part of the
+    /// identity itself, so it cannot drift between deliveries), else the publish time,
+    /// else `None`. See [`InboxConfig::trust_publish_time`](crate::InboxConfig) for when
+    /// a publish time alone keeps the claim on its fast path.
     pub fn dedup_time(&self) -> Option<DateTime<Utc>> {
         self.id.uuid_v7_time().or(self.published_at)
     }

@@ -58,6 +58,15 @@ pub struct InboxConfig {
     /// ahead) before it is refused as [`InboxError::PublishedInFuture`](crate::InboxError).
     /// Defaults to 1 day.
     pub max_future_skew: Duration,
+    /// Whether a publish time is stable across every delivery of a message. When `true`,
+    /// a message with a plain (non-UUIDv7) id and a publish time is looked up only in its
+    /// publish month's partition: one index probe. When `false`, its claim takes the key's
+    /// lock first and looks in every live partition, so a publisher that stamps each
+    /// publish attempt afresh (a retry at 23:59:59 and again at 00:00:01 on the 1st) is
+    /// still deduplicated. Set it when the broker sets the time (SQS `SentTimestamp`,
+    /// Kafka `LogAppendTime`). UUIDv7 ids carry their own time and always take the fast
+    /// path. Defaults to `false`.
+    pub trust_publish_time: bool,
     /// How many months after the current one get their partition created ahead of time
     /// by [`InboxGuard::prepare_partitions`](crate::InboxGuard::prepare_partitions).
     /// Defaults to 2.
@@ -70,6 +79,7 @@ impl Default for InboxConfig {
             ttl: 30 * DAY,
             broker_retention: 14 * DAY,
             max_future_skew: DAY,
+            trust_publish_time: false,
             partitions_ahead: 2,
         }
     }
@@ -91,6 +101,12 @@ impl InboxConfig {
     /// Sets [`max_future_skew`](Self::max_future_skew).
     pub fn with_max_future_skew(mut self, skew: Duration) -> Self {
         self.max_future_skew = skew;
+        self
+    }
+
+    /// Sets [`trust_publish_time`](Self::trust_publish_time).
+    pub fn with_trust_publish_time(mut self, trust: bool) -> Self {
+        self.trust_publish_time = trust;
         self
     }
 

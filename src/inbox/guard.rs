@@ -152,7 +152,18 @@ impl<S: InboxStore> InboxGuard<S> {
             }
         };
 
-        if !self.store.record(&mut tx, &key, now, &result).await? {
+        let recorded = match self.store.record(&mut tx, &key, now, &result).await {
+            Err(error) if S::is_missing_partition(&error) => {
+                // The month was dropped under us (its rows expiring meanwhile): nothing
+                // of ours commits. Refused if it was pruned; else retry.
+                tx.rollback().await.ok();
+                self.known().remove(&key.bucket);
+                self.ensure_partition(key.bucket).await?;
+                return Err(InboxError::Database(error).into());
+            }
+            recorded => recorded?,
+        };
+        if !recorded {
             // A delivery of the same key committed between our claim's snapshot and its
             // lock (see `PostgresStore`): our handler ran but must not count. Roll it
             // all back and answer with the row that won.
@@ -177,9 +188,14 @@ impl<S: InboxStore> InboxGuard<S> {
         Ok(Outcome::Applied(result))
     }
 
-    /// Decides where a message is filed and refuses the ones that cannot be deduplicated
-    /// safely. The bucket depends on the message alone when it carries a time, so every
-    /// redelivery — next month too — meets the first one in the same partition.
+    /// Decides where a message is filed and where its claim looks, and refuses the ones
+    /// that cannot be deduplicated safely.
+    ///
+    /// A message is filed under the month of its time (UUIDv7 time, else publish time,
+    /// else now). Its claim looks only in that month when the time cannot differ between
+    /// deliveries — a UUIDv7 id, or a publish time the configuration trusts — so every
+    /// redelivery, next month too, meets the first one in the same partition. Otherwise
+    /// it looks in every live partition, under the key's lock.
     fn placement<'a>(
         &self,
         consumer_type: &'a ConsumerType,
@@ -187,6 +203,8 @@ impl<S: InboxStore> InboxGuard<S> {
         now: DateTime<Utc>,
     ) -> Result<ClaimKey<'a>, InboxError> {
         let message_id = &envelope.id;
+        let stable_time = message_id.uuid_v7_time().is_some()
+            || (self.config.trust_publish_time && envelope.published_at.is_some());
         let Some(filed_at) = envelope.dedup_time() else {
             return Ok(ClaimKey {
                 consumer_type,
@@ -219,7 +237,7 @@ impl<S: InboxStore> InboxGuard<S> {
             consumer_type,
             message_id,
             bucket: Month::of(filed_at)?,
-            probe_all: false,
+            probe_all: !stable_time,
         })
     }
 

@@ -3,11 +3,12 @@
 //! Uniqueness across partitions: PostgreSQL cannot enforce a unique key that omits the
 //! partition key, so the partition key is made a function of the message: the month of
 //! its UUIDv7 id or publish time ([`Envelope::dedup_time`](crate::Envelope::dedup_time)).
-//! Every redelivery then targets the same partition, where the primary key
-//! `(consumer_type, message_id, bucket)` is in effect global. A message with no time is
-//! filed under its processing month and its claim probes every live partition; both
-//! kinds of claim hold the same per-key advisory lock (taken in the `BEGIN` round trip),
-//! so they also serialise with each other. `docs/partitioning.md` has the reasoning and the measurements.
+//! When that time cannot differ between deliveries (a UUIDv7 id, or a trusted publish
+//! time) every delivery targets the same partition, where the primary key
+//! `(consumer_type, message_id, bucket)` is in effect global, and the claim probes that
+//! partition alone. Otherwise the claim probes every live partition. Both kinds of claim
+//! hold the same per-key advisory lock, so they also serialise with each other.
+//! `docs/partitioning.md` has the reasoning and the measurements.
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -318,8 +319,11 @@ impl InboxStore for PostgresStore {
     }
 
     fn is_missing_partition(error: &sqlx::Error) -> bool {
-        // undefined_table: the partition a claim looked up by name is gone.
-        matches!(error, sqlx::Error::Database(e) if e.code().as_deref() == Some("42P01"))
+        // 42P01 undefined_table: the partition a claim looked up by name is gone;
+        // 23514 check_violation: "no partition of relation found for row", an insert
+        // routed to a month that is gone (the inbox has no other check constraints).
+        matches!(error, sqlx::Error::Database(e)
+            if matches!(e.code().as_deref(), Some("42P01" | "23514")))
     }
 
     async fn migrate(&self) -> Result<(), MigrateError> {
