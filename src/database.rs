@@ -1,8 +1,10 @@
-//! Opening the right store from a database URL, for the CLI and quick starts; and
-//! [`redact`], which keeps passwords out of logs and error messages.
+//! Opening the right store from a database URL, for the CLI and quick starts
+//! ([`migrate`], [`prune`]); and [`redact`], which keeps passwords out of logs and error
+//! messages.
 
 use crate::inbox::{InboxConfig, InboxError, InboxGuard};
 use crate::month::Month;
+use crate::pruner::{Maintenance, PrunePass};
 
 /// Which database a URL names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,6 +58,25 @@ pub async fn migrate(url: &str, config: InboxConfig) -> Result<Vec<Month>, Inbox
         Backend::Sqlite => {
             let store = crate::SqliteStore::connect(url, 2).await?;
             InboxGuard::new(store, config)?.migrate().await
+        }
+        #[allow(unreachable_patterns)]
+        _ => Err(InboxError::UnsupportedUrl(redact(url))),
+    }
+}
+
+/// Runs one pruner pass on the database at `url`: creates the partitions ahead and drops
+/// the expired ones; with `dry_run`, only reports what it would do.
+pub async fn prune(url: &str, config: InboxConfig, dry_run: bool) -> Result<PrunePass, InboxError> {
+    match Backend::of(url)? {
+        #[cfg(feature = "postgres")]
+        Backend::Postgres => {
+            let store = crate::PostgresStore::connect(url, 2).await?;
+            InboxGuard::new(store, config)?.run_pass(dry_run).await
+        }
+        #[cfg(feature = "sqlite")]
+        Backend::Sqlite => {
+            let store = crate::SqliteStore::connect(url, 2).await?;
+            InboxGuard::new(store, config)?.run_pass(dry_run).await
         }
         #[allow(unreachable_patterns)]
         _ => Err(InboxError::UnsupportedUrl(redact(url))),

@@ -49,7 +49,9 @@ pub enum KeyError {
     },
 }
 
-fn validate_key(what: &'static str, value: &str) -> Result<(), KeyError> {
+/// The key rules, for text that is not a newtype (message kinds, saga step names):
+/// non-empty, at most [`MAX_KEY_BYTES`] bytes, no control characters.
+pub(crate) fn validate_key(what: &'static str, value: &str) -> Result<(), KeyError> {
     if value.is_empty() {
         return Err(KeyError::Empty { what });
     }

@@ -42,9 +42,11 @@
 //! - [`store`]: the SQL per database — [`PostgresStore`] (monthly partitions, global
 //!   uniqueness across them) and [`SqliteStore`] (monthly tables, the embedded default).
 //! - [`month`]: [`Month`], the partition unit.
+//! - [`pruner`]: [`Pruner`](pruner::Pruner), the actor that creates partitions ahead and drops expired ones.
 //! - [`clock`]: [`Clock`], injectable time.
 //! - [`metrics`]: the metric names the inbox emits.
 //! - [`database`]: opening a store from a URL, for the CLI and quick starts.
+//! - [`saga`]: saga definitions as data, loaded from TOML and validated.
 //!
 //! # Features
 //!
@@ -59,6 +61,9 @@ pub mod envelope;
 pub mod inbox;
 pub mod metrics;
 pub mod month;
+pub mod pruner;
+pub mod saga;
+pub mod step;
 pub mod store;
 
 pub use clock::{Clock, ManualClock, SystemClock};

@@ -5,8 +5,11 @@
 //! | --- | --- | --- |
 //! | `sagabox_inbox_messages_total` | counter | `consumer_type`, `outcome` = `applied` \| `duplicate` \| `failed` |
 //! | `sagabox_inbox_claim_seconds` | histogram | — : time to begin the transaction and claim the key, waiting for a racing delivery included |
-//! | `sagabox_inbox_partitions_created_total` | counter | — |
-//! | `sagabox_inbox_partitions_dropped_total` | counter | — |
+//! | `sagabox_inbox_partitions_created_on_demand_total` | counter | — : months created by a claim that found its partition missing |
+//! | `sagabox_pruner_partitions_created_total` | counter | — : months created ahead by the pruner |
+//! | `sagabox_pruner_partitions_dropped_total` | counter | — : expired months dropped by the pruner |
+//! | `sagabox_pruner_failures_total` | counter | — : pruner passes that failed (retried at the next tick) |
+//! | `sagabox_inbox_oldest_partition_age_seconds` | gauge | — : age of the oldest partition's first instant, after a pass |
 
 use std::time::Duration;
 
@@ -16,10 +19,17 @@ use crate::envelope::ConsumerType;
 pub const INBOX_MESSAGES_TOTAL: &str = "sagabox_inbox_messages_total";
 /// Seconds from begin to a settled claim.
 pub const INBOX_CLAIM_SECONDS: &str = "sagabox_inbox_claim_seconds";
-/// Inbox partitions created.
-pub const INBOX_PARTITIONS_CREATED_TOTAL: &str = "sagabox_inbox_partitions_created_total";
-/// Inbox partitions dropped.
-pub const INBOX_PARTITIONS_DROPPED_TOTAL: &str = "sagabox_inbox_partitions_dropped_total";
+/// Months created by a claim that found its partition missing.
+pub const INBOX_PARTITIONS_CREATED_ON_DEMAND_TOTAL: &str =
+    "sagabox_inbox_partitions_created_on_demand_total";
+/// Months created ahead by the pruner.
+pub const PRUNER_PARTITIONS_CREATED_TOTAL: &str = "sagabox_pruner_partitions_created_total";
+/// Expired months dropped by the pruner.
+pub const PRUNER_PARTITIONS_DROPPED_TOTAL: &str = "sagabox_pruner_partitions_dropped_total";
+/// Failed pruner passes.
+pub const PRUNER_FAILURES_TOTAL: &str = "sagabox_pruner_failures_total";
+/// Age of the oldest inbox partition, in seconds.
+pub const INBOX_OLDEST_PARTITION_AGE_SECONDS: &str = "sagabox_inbox_oldest_partition_age_seconds";
 
 pub(crate) fn inbox_message(consumer_type: &ConsumerType, outcome: &'static str) {
     metrics::counter!(
@@ -34,10 +44,19 @@ pub(crate) fn claim_duration(elapsed: Duration) {
     metrics::histogram!(INBOX_CLAIM_SECONDS).record(elapsed.as_secs_f64());
 }
 
-pub(crate) fn partition_created() {
-    metrics::counter!(INBOX_PARTITIONS_CREATED_TOTAL).increment(1);
+pub(crate) fn partition_created_on_demand() {
+    metrics::counter!(INBOX_PARTITIONS_CREATED_ON_DEMAND_TOTAL).increment(1);
 }
 
-pub(crate) fn partition_dropped() {
-    metrics::counter!(INBOX_PARTITIONS_DROPPED_TOTAL).increment(1);
+pub(crate) fn pruner_pass(pass: &crate::pruner::PrunePass, now: chrono::DateTime<chrono::Utc>) {
+    metrics::counter!(PRUNER_PARTITIONS_CREATED_TOTAL).increment(pass.created.len() as u64);
+    metrics::counter!(PRUNER_PARTITIONS_DROPPED_TOTAL).increment(pass.dropped.len() as u64);
+    if let Some(oldest) = pass.oldest {
+        let age = (now - oldest.start()).num_milliseconds().max(0) as f64 / 1000.0;
+        metrics::gauge!(INBOX_OLDEST_PARTITION_AGE_SECONDS).set(age);
+    }
+}
+
+pub(crate) fn pruner_failure() {
+    metrics::counter!(PRUNER_FAILURES_TOTAL).increment(1);
 }

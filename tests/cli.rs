@@ -140,3 +140,19 @@ fn bench_refuses_bad_arguments() {
     let output = sagabox(&["bench", "--database-url", "sqlite:x.db", "--modes", "turbo"]);
     assert!(String::from_utf8_lossy(&output.stderr).contains("unknown mode \"turbo\""));
 }
+
+#[tokio::test]
+async fn prune_dry_run_changes_nothing_and_a_pass_creates_ahead() {
+    let db = common::Pg::new().await;
+    let dry = stdout(&sagabox(&["prune", "--database-url", &db.url, "--dry-run"]));
+    assert!(dry.contains("partitions would be created: "), "{dry}");
+    assert!(!dry.contains("would be created: none"), "{dry}");
+    let count = "SELECT COUNT(*) FROM pg_inherits WHERE inhparent = 'sagabox_inbox'::regclass";
+    assert_eq!(db.scalar(count).await, 0, "dry run created nothing");
+    let pass = stdout(&sagabox(&["prune", "--database-url", &db.url]));
+    assert!(pass.contains("partitions dropped: none"), "{pass}");
+    assert_eq!(db.scalar(count).await, 3);
+    let refused = sagabox(&["prune", "--database-url", &db.url, "--ttl-days", "7"]);
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("shorter than the broker retention"));
+}

@@ -247,7 +247,7 @@ impl<S: InboxStore> InboxGuard<S> {
         }
         match self.store.create_partition(month).await? {
             PartitionCreation::Pruned => return Err(InboxError::PartitionPruned(month)),
-            PartitionCreation::Created => metrics::partition_created(),
+            PartitionCreation::Created => metrics::partition_created_on_demand(),
             PartitionCreation::Existed => {}
         }
         self.known().insert(month);
@@ -286,10 +286,7 @@ impl<S: InboxStore> InboxGuard<S> {
         let mut created = Vec::new();
         for month in first.through(last) {
             match self.store.create_partition(month).await? {
-                PartitionCreation::Created => {
-                    metrics::partition_created();
-                    created.push(month);
-                }
+                PartitionCreation::Created => created.push(month),
                 PartitionCreation::Existed => {}
                 PartitionCreation::Pruned => continue,
             }
@@ -325,7 +322,6 @@ impl<S: InboxStore> InboxGuard<S> {
             // the month as pruned before dropping it).
             self.known().remove(&month);
             if self.store.drop_partition(month).await? {
-                metrics::partition_dropped();
                 dropped.push(month);
             }
         }

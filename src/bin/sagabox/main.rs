@@ -1,12 +1,13 @@
-//! The `sagabox` command line: `migrate`, `bench`.
+//! The `sagabox` command line: `migrate`, `prune`, `bench`.
 
 mod bench;
 
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use sagabox::InboxConfig;
-use sagabox::database::{migrate, redact};
+use sagabox::database::{migrate, prune, redact};
 
 /// Saga participants that process every message effectively exactly once.
 #[derive(Debug, Parser)]
@@ -23,6 +24,24 @@ enum Command {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
         #[arg(long, env = "DATABASE_URL", default_value = "sqlite:sagabox.db")]
         database_url: String,
+        /// Months ahead of the current one to create partitions for.
+        #[arg(long, default_value_t = 2)]
+        partitions_ahead: u32,
+    },
+    /// Run one pruner pass: create the partitions ahead, drop the expired ones.
+    Prune {
+        /// postgres://user@host:port/db or sqlite:path/to/file.db
+        #[arg(long, env = "DATABASE_URL", default_value = "sqlite:sagabox.db")]
+        database_url: String,
+        /// Only report what the pass would do.
+        #[arg(long)]
+        dry_run: bool,
+        /// Days a message stays deduplicated; at least the broker's redelivery window.
+        #[arg(long, default_value_t = 30)]
+        ttl_days: u64,
+        /// The broker's maximum redelivery window, in days (SQS: 14).
+        #[arg(long, default_value_t = 14)]
+        broker_retention_days: u64,
         /// Months ahead of the current one to create partitions for.
         #[arg(long, default_value_t = 2)]
         partitions_ahead: u32,
@@ -74,6 +93,52 @@ async fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match cli.command {
+        Command::Prune {
+            database_url,
+            dry_run,
+            ttl_days,
+            broker_retention_days,
+            partitions_ahead,
+        } => {
+            const DAY: u64 = 86_400;
+            let config = InboxConfig::default()
+                .with_ttl(Duration::from_secs(ttl_days.saturating_mul(DAY)))
+                .with_broker_retention(Duration::from_secs(
+                    broker_retention_days.saturating_mul(DAY),
+                ))
+                .with_partitions_ahead(partitions_ahead);
+            match prune(&database_url, config, dry_run).await {
+                Ok(pass) => {
+                    let list = |months: &[sagabox::Month]| {
+                        if months.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            months
+                                .iter()
+                                .map(ToString::to_string)
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        }
+                    };
+                    let verb = if dry_run { "would be " } else { "" };
+                    println!(
+                        "{}: partitions {verb}created: {}",
+                        redact(&database_url),
+                        list(&pass.created)
+                    );
+                    println!(
+                        "{}: partitions {verb}dropped: {}",
+                        redact(&database_url),
+                        list(&pass.dropped)
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(error) => {
+                    eprintln!("sagabox prune: {error}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Bench {
             database_url,
             messages,

@@ -1,0 +1,301 @@
+//! Saga steps as actors: a [`StepHandler`] hosted by a [`StepPool`] of competing
+//! workers, every message through the [`InboxGuard`].
+//!
+//! The pool is a ractor factory with queuer routing: a worker takes the next command
+//! only when it is free, so one slow message does not stall the others. A handler that
+//! panics takes its worker down; the factory starts a replacement, the transaction rolls
+//! back (nothing recorded), and the sender sees [`StepFailure::Retryable`] — the message
+//! is not lost, because the sender still holds it and retries (safe: the inbox).
+//!
+//! A [`StepError::Permanent`] refusal (card declined, out of stock) is recorded in the
+//! inbox like a result, so a duplicate gets the same refusal; a
+//! [`StepError::Retryable`] rolls back and leaves no row.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::factory::queues::DefaultQueue;
+use ractor::factory::routing::QueuerRouting;
+use ractor::factory::{
+    Factory, FactoryArguments, FactoryMessage, Job, Worker, WorkerId, worker_builder,
+};
+use ractor::rpc::CallResult;
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SpawnErr};
+use serde_json::{Value, json};
+use sqlx::Database;
+use tokio::task::JoinHandle;
+
+use crate::envelope::{ConsumerType, Envelope};
+use crate::inbox::{GuardError, InboxGuard, Outcome};
+use crate::store::InboxStore;
+
+/// Why a step handler did not succeed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum StepError {
+    /// A business refusal that will not change on retry (card declined, out of stock).
+    /// Recorded in the inbox like a result, and committed with whatever the handler
+    /// wrote: refuse before writing anything you would not keep.
+    #[error("refused: {0}")]
+    Permanent(String),
+    /// A transient failure (a timeout, a lock conflict). Rolled back, nothing recorded;
+    /// the sender retries.
+    #[error("retryable: {0}")]
+    Retryable(String),
+}
+
+/// The business logic of one saga step, run inside the inbox guard's transaction.
+pub trait StepHandler<Db: Database>: Send + Sync + 'static {
+    /// Applies `envelope`'s command with `conn`, the claim's transaction. Its writes
+    /// commit with the inbox row or not at all.
+    fn handle(
+        &self,
+        conn: &mut Db::Connection,
+        envelope: &Envelope,
+    ) -> impl Future<Output = Result<Value, StepError>> + Send;
+}
+
+/// What a step answered. A duplicate delivery gets exactly what the first one got.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepOutcome {
+    /// The command was applied; the handler's result.
+    Done(Value),
+    /// The command was refused for good; the reason.
+    Refused(String),
+}
+
+impl StepOutcome {
+    fn to_record(&self) -> Value {
+        match self {
+            StepOutcome::Done(value) => json!({ "done": value }),
+            StepOutcome::Refused(reason) => json!({ "refused": reason }),
+        }
+    }
+
+    fn from_record(record: &Value) -> Self {
+        match (record.get("done"), record.get("refused")) {
+            (Some(done), _) => StepOutcome::Done(done.clone()),
+            (None, Some(reason)) => {
+                StepOutcome::Refused(reason.as_str().unwrap_or_default().to_owned())
+            }
+            // Written by something other than a step: hand it over as it is.
+            (None, None) => StepOutcome::Done(record.clone()),
+        }
+    }
+}
+
+/// A step's answer to one delivery.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepReply {
+    /// What the step did (the first delivery's answer, for a duplicate).
+    pub outcome: StepOutcome,
+    /// Whether this delivery was a duplicate.
+    pub duplicate: bool,
+}
+
+/// Why a delivery got no answer. Nothing was recorded; the sender decides whether to
+/// try again.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StepFailure {
+    /// Try again later: the handler asked for it, the database failed, or the worker
+    /// crashed before answering.
+    #[error("step failed, retry: {0}")]
+    Retryable(String),
+    /// The inbox refused the message (expired, pruned month, clock too far ahead):
+    /// retrying will not help; dead-letter it.
+    #[error("step refused the message: {0}")]
+    Rejected(String),
+    /// No answer within the timeout. The step may still apply it: retry with the same
+    /// message id, and the inbox will answer with the first result.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+}
+
+/// One command for a step pool.
+#[derive(Debug)]
+pub struct StepCommand {
+    envelope: Envelope,
+    reply: RpcReplyPort<Result<StepReply, StepFailure>>,
+}
+
+/// A worker of a [`StepPool`].
+#[derive(Debug)]
+pub struct StepWorker<S, H> {
+    guard: InboxGuard<S>,
+    consumer_type: ConsumerType,
+    handler: Arc<H>,
+}
+
+impl<S: InboxStore, H: StepHandler<S::Db>> StepWorker<S, H> {
+    async fn run(&self, envelope: &Envelope) -> Result<StepReply, StepFailure> {
+        let handler = &self.handler;
+        let processed = self
+            .guard
+            .process(
+                &self.consumer_type,
+                envelope,
+                async |conn, envelope| match handler.handle(conn, envelope).await {
+                    Ok(value) => Ok(StepOutcome::Done(value).to_record()),
+                    Err(StepError::Permanent(reason)) => {
+                        Ok(StepOutcome::Refused(reason).to_record())
+                    }
+                    Err(StepError::Retryable(reason)) => Err(reason),
+                },
+            )
+            .await;
+        match processed {
+            Ok(Outcome::Applied(record)) => Ok(StepReply {
+                outcome: StepOutcome::from_record(&record),
+                duplicate: false,
+            }),
+            Ok(Outcome::Duplicate { result, .. }) => Ok(StepReply {
+                outcome: StepOutcome::from_record(&result),
+                duplicate: true,
+            }),
+            Err(GuardError::Handler(reason)) => Err(StepFailure::Retryable(reason)),
+            Err(GuardError::Inbox(error)) if error.is_retryable() => {
+                Err(StepFailure::Retryable(error.to_string()))
+            }
+            Err(error) => Err(StepFailure::Rejected(error.to_string())),
+        }
+    }
+}
+
+impl<S: InboxStore, H: StepHandler<S::Db>> Worker for StepWorker<S, H> {
+    type Key = ();
+    type Message = StepCommand;
+    type Arguments = ();
+    type State = ();
+
+    async fn pre_start(
+        &self,
+        _wid: WorkerId,
+        _factory: &ActorRef<FactoryMessage<(), StepCommand>>,
+        _args: (),
+    ) -> Result<(), ActorProcessingErr> {
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        _wid: WorkerId,
+        _factory: &ActorRef<FactoryMessage<(), StepCommand>>,
+        Job { msg, key, .. }: Job<(), StepCommand>,
+        _state: &mut (),
+    ) -> Result<(), ActorProcessingErr> {
+        let StepCommand { envelope, reply } = msg;
+        let answer = self.run(&envelope).await;
+        // The sender may have timed out and gone: its retry will get the recorded answer.
+        let _ = reply.send(answer);
+        Ok(key)
+    }
+}
+
+/// How many workers and how long a caller waits.
+#[derive(Debug, Clone)]
+pub struct StepPoolConfig {
+    /// Competing workers. Defaults to 4.
+    pub workers: usize,
+}
+
+impl Default for StepPoolConfig {
+    fn default() -> Self {
+        Self { workers: 4 }
+    }
+}
+
+type StepFactory<S, H> = Factory<
+    (),
+    StepCommand,
+    (),
+    StepWorker<S, H>,
+    QueuerRouting<(), StepCommand>,
+    DefaultQueue<(), StepCommand>,
+>;
+
+/// A pool of competing workers hosting one step.
+#[derive(Debug)]
+pub struct StepPool {
+    consumer_type: ConsumerType,
+    factory: ActorRef<FactoryMessage<(), StepCommand>>,
+    handle: JoinHandle<()>,
+}
+
+impl StepPool {
+    /// Starts `config.workers` workers running `handler` behind `guard` as
+    /// `consumer_type`.
+    pub async fn spawn<S, H>(
+        guard: InboxGuard<S>,
+        consumer_type: ConsumerType,
+        handler: H,
+        config: StepPoolConfig,
+    ) -> Result<Self, SpawnErr>
+    where
+        S: InboxStore,
+        H: StepHandler<S::Db>,
+    {
+        let handler = Arc::new(handler);
+        let builder = {
+            let consumer_type = consumer_type.clone();
+            worker_builder(move |_wid| {
+                let worker = StepWorker {
+                    guard: guard.clone(),
+                    consumer_type: consumer_type.clone(),
+                    handler: Arc::clone(&handler),
+                };
+                (worker, ())
+            })
+        };
+        let arguments = FactoryArguments::builder()
+            .worker_builder(Box::new(builder))
+            .queue(Default::default())
+            .router(Default::default())
+            .num_initial_workers(config.workers.max(1))
+            .build();
+        let (factory, handle) =
+            Actor::spawn(None, StepFactory::<S, H>::default(), arguments).await?;
+        Ok(Self {
+            consumer_type,
+            factory,
+            handle,
+        })
+    }
+
+    /// The consumer type the pool deduplicates as.
+    pub fn consumer_type(&self) -> &ConsumerType {
+        &self.consumer_type
+    }
+
+    /// Delivers `envelope` and waits up to `timeout` for the step's answer. Safe to call
+    /// again with the same envelope at any time, also while the first call runs.
+    pub async fn deliver(
+        &self,
+        envelope: Envelope,
+        timeout: Duration,
+    ) -> Result<StepReply, StepFailure> {
+        let called = self
+            .factory
+            .call(
+                |reply| FactoryMessage::Dispatch(Job::new((), StepCommand { envelope, reply })),
+                Some(timeout),
+            )
+            .await;
+        match called {
+            Ok(CallResult::Success(answer)) => answer,
+            Ok(CallResult::Timeout) => Err(StepFailure::Timeout(timeout)),
+            Ok(CallResult::SenderError) => Err(StepFailure::Retryable(
+                "the worker stopped before answering (it panicked or the pool is stopping)".into(),
+            )),
+            Err(error) => Err(StepFailure::Retryable(format!(
+                "the step pool is not running: {error}"
+            ))),
+        }
+    }
+
+    /// Stops the pool after the commands in flight.
+    pub async fn stop(self) {
+        self.factory.stop(None);
+        let _ = self.handle.await;
+    }
+}
