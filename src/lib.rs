@@ -61,6 +61,7 @@ pub mod envelope;
 pub mod inbox;
 pub mod metrics;
 pub mod month;
+pub mod orchestrator;
 pub mod pruner;
 pub mod saga;
 pub mod step;

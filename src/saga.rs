@@ -4,7 +4,13 @@
 //! Definitions live as TOML files under `sagas/` (see `sagas/checkout.toml`) and are
 //! loaded with [`SagaDefinition::load`], which refuses an invalid definition with a
 //! [`DefinitionError`] that names the saga and the step and says how to fix it.
+//!
+//! Instances of a saga are rows of `saga_instances` ([`SagaInstance`], [`SagaStore`]);
+//! each step's command has a stable id ([`SagaInstance::command_id`]), so every retry is
+//! the same message.
 
 mod definition;
+mod instance;
 
 pub use definition::{DefinitionError, RetryPolicy, SagaDefinition, StepDefinition};
+pub use instance::{Direction, SagaInstance, SagaStatus, SagaStore, UnknownStatus};

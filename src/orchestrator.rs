@@ -1,0 +1,479 @@
+//! The [`Orchestrator`] actor: drives saga instances from their persisted state.
+//!
+//! For each instance it sends the current step's command (with the step's stable
+//! message id, so every retry is the same message), waits for the reply up to the step's
+//! timeout, and writes the outcome to `saga_instances` before moving on. It **retries
+//! freely** — on a timeout, a retryable failure or a lost reply it sends the same command
+//! again after a backoff with jitter; the step's inbox makes that safe. When a step
+//! refuses for good, or runs out of attempts, it runs the compensations of the steps
+//! before it in reverse order, through the same inboxes (a step that ran out of attempts
+//! may have applied without its reply arriving, so it is compensated too). Compensations
+//! are retried until they succeed.
+//!
+//! One driver task per instance at a time: the actor keeps the set of instances in
+//! flight, so two `Drive` messages for one saga never run it twice at once.
+//! [`OrchestratorMessage::ResumeAll`] drives every unfinished instance — what a restarted
+//! process does first.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use serde_json::{Value, json};
+
+use crate::envelope::{ConsumerType, Envelope};
+use crate::saga::{Direction, SagaDefinition, SagaInstance, SagaStatus, SagaStore};
+use crate::step::{StepFailure, StepOutcome, StepPool, StepReply};
+
+/// How the orchestrator reaches the steps: in process (a [`StepPool`] per consumer type)
+/// or through a broker.
+pub trait Dispatch: Send + Sync + 'static {
+    /// Sends `envelope` to the step consumed as `consumer_type` and waits up to
+    /// `timeout` for its answer.
+    fn dispatch(
+        &self,
+        consumer_type: &ConsumerType,
+        envelope: Envelope,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<StepReply, StepFailure>> + Send;
+}
+
+/// Steps in this process: one [`StepPool`] per consumer type.
+#[derive(Debug, Default)]
+pub struct InProcess {
+    pools: HashMap<ConsumerType, Arc<StepPool>>,
+}
+
+impl InProcess {
+    /// No pools yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a pool, reached under its consumer type.
+    pub fn with_pool(mut self, pool: StepPool) -> Self {
+        self.pools
+            .insert(pool.consumer_type().clone(), Arc::new(pool));
+        self
+    }
+
+    /// Stops every pool after the commands in flight.
+    pub async fn stop(self) {
+        for (_, pool) in self.pools {
+            if let Ok(pool) = Arc::try_unwrap(pool) {
+                pool.stop().await;
+            }
+        }
+    }
+}
+
+impl Dispatch for InProcess {
+    async fn dispatch(
+        &self,
+        consumer_type: &ConsumerType,
+        envelope: Envelope,
+        timeout: Duration,
+    ) -> Result<StepReply, StepFailure> {
+        match self.pools.get(consumer_type) {
+            Some(pool) => pool.deliver(envelope, timeout).await,
+            None => Err(StepFailure::Rejected(format!(
+                "no step pool for consumer type {consumer_type}: add one with InProcess::with_pool"
+            ))),
+        }
+    }
+}
+
+impl<D: Dispatch> Dispatch for Arc<D> {
+    fn dispatch(
+        &self,
+        consumer_type: &ConsumerType,
+        envelope: Envelope,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<StepReply, StepFailure>> + Send {
+        (**self).dispatch(consumer_type, envelope, timeout)
+    }
+}
+
+/// Counters of what the drivers did, for summaries and tests.
+#[derive(Debug, Default)]
+pub struct DriveStats {
+    /// Commands sent, retries included.
+    pub deliveries: std::sync::atomic::AtomicU64,
+    /// Commands sent again after a failure or timeout.
+    pub retries: std::sync::atomic::AtomicU64,
+    /// Replies that said the step had already handled the message.
+    pub duplicates: std::sync::atomic::AtomicU64,
+}
+
+/// Messages the [`Orchestrator`] handles.
+#[derive(Debug)]
+pub enum OrchestratorMessage {
+    /// Drive this instance (its row must exist) to a terminal state.
+    Drive(String),
+    /// Drive every unfinished instance; answers how many were started.
+    ResumeAll(RpcReplyPort<Result<usize, String>>),
+    /// Answer once no instance is in flight.
+    WhenIdle(RpcReplyPort<()>),
+    /// A driver ended (sent by the driver task).
+    Finished(String),
+}
+
+/// What the orchestrator runs with.
+#[derive(Debug)]
+pub struct OrchestratorArguments<St, D> {
+    /// The saga it drives.
+    pub definition: Arc<SagaDefinition>,
+    /// Where instances are stored.
+    pub store: St,
+    /// How commands reach the steps.
+    pub dispatch: Arc<D>,
+    /// Shared counters.
+    pub stats: Arc<DriveStats>,
+}
+
+/// The orchestrator's state: configuration plus the instances in flight.
+#[derive(Debug)]
+pub struct OrchestratorState<St, D> {
+    definition: Arc<SagaDefinition>,
+    store: St,
+    dispatch: Arc<D>,
+    stats: Arc<DriveStats>,
+    in_flight: HashSet<String>,
+    idle_waiters: Vec<RpcReplyPort<()>>,
+}
+
+/// The saga orchestrator actor. Spawn with [`Actor::spawn`] and
+/// [`OrchestratorArguments`].
+#[derive(Debug)]
+pub struct Orchestrator<St, D>(PhantomData<fn() -> (St, D)>);
+
+impl<St, D> Default for Orchestrator<St, D> {
+    fn default() -> Self {
+        Self(PhantomData)
+    }
+}
+
+impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
+    /// The orchestrator.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn start(
+        myself: &ActorRef<OrchestratorMessage>,
+        state: &mut OrchestratorState<St, D>,
+        id: String,
+    ) {
+        if !state.in_flight.insert(id.clone()) {
+            return;
+        }
+        let driver = Driver {
+            definition: Arc::clone(&state.definition),
+            store: state.store.clone(),
+            dispatch: Arc::clone(&state.dispatch),
+            stats: Arc::clone(&state.stats),
+        };
+        let myself = myself.clone();
+        tokio::spawn(async move {
+            driver.drive(&id).await;
+            // The actor may be stopping; then nobody is waiting for this.
+            let _ = myself.send_message(OrchestratorMessage::Finished(id));
+        });
+    }
+}
+
+impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
+    type Msg = OrchestratorMessage;
+    type State = OrchestratorState<St, D>;
+    type Arguments = OrchestratorArguments<St, D>;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        args: Self::Arguments,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        Ok(OrchestratorState {
+            definition: args.definition,
+            store: args.store,
+            dispatch: args.dispatch,
+            stats: args.stats,
+            in_flight: HashSet::new(),
+            idle_waiters: Vec::new(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        message: Self::Msg,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match message {
+            OrchestratorMessage::Drive(id) => Self::start(&myself, state, id),
+            OrchestratorMessage::ResumeAll(reply) => {
+                let answer = match state.store.unfinished().await {
+                    Ok(ids) => {
+                        let count = ids.len();
+                        for id in ids {
+                            Self::start(&myself, state, id);
+                        }
+                        Ok(count)
+                    }
+                    Err(error) => Err(format!("cannot list unfinished sagas: {error}")),
+                };
+                let _ = reply.send(answer);
+            }
+            OrchestratorMessage::WhenIdle(reply) => {
+                if state.in_flight.is_empty() {
+                    let _ = reply.send(());
+                } else {
+                    state.idle_waiters.push(reply);
+                }
+            }
+            OrchestratorMessage::Finished(id) => {
+                state.in_flight.remove(&id);
+                if state.in_flight.is_empty() {
+                    for waiter in state.idle_waiters.drain(..) {
+                        let _ = waiter.send(());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Drives one instance; everything it needs, cloned out of the actor's state.
+struct Driver<St, D> {
+    definition: Arc<SagaDefinition>,
+    store: St,
+    dispatch: Arc<D>,
+    stats: Arc<DriveStats>,
+}
+
+/// How long to wait before trying a failed store operation again.
+const STORE_RETRY: Duration = Duration::from_millis(200);
+
+impl<St: SagaStore, D: Dispatch> Driver<St, D> {
+    async fn drive(&self, id: &str) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let mut rng = StdRng::seed_from_u64(seed_of(id));
+        let Some(mut saga) = self.load(id).await else {
+            tracing::warn!(saga_id = id, "no such saga instance; nothing to drive");
+            return;
+        };
+        let steps = self.definition.steps();
+        while !saga.status.is_terminal() {
+            let index = usize::try_from(saga.current_step).ok();
+            let (direction, step) = match (saga.status, index) {
+                (SagaStatus::Running, Some(i)) if i < steps.len() => {
+                    (Direction::Forward, &steps[i])
+                }
+                (SagaStatus::Running, _) => {
+                    saga.status = SagaStatus::Completed;
+                    self.save(&mut saga).await;
+                    break;
+                }
+                (SagaStatus::Compensating, Some(i)) if i < steps.len() => {
+                    (Direction::Backward, &steps[i])
+                }
+                _ => {
+                    saga.status = SagaStatus::Compensated;
+                    self.save(&mut saga).await;
+                    break;
+                }
+            };
+            let Some(i) = index else { break };
+            let kind = match direction {
+                Direction::Forward => step.command(),
+                Direction::Backward => match step.compensation() {
+                    Some(kind) => kind,
+                    None => {
+                        // Nothing to undo for this step.
+                        saga.current_step -= 1;
+                        saga.attempts = 0;
+                        self.save(&mut saga).await;
+                        continue;
+                    }
+                },
+            };
+            let envelope =
+                match Envelope::new(saga.command_id(i, direction), kind, saga.data.clone()) {
+                    Ok(envelope) => envelope.with_saga_id(saga.id.clone()),
+                    Err(error) => unreachable!("kinds are validated with the definition: {error}"),
+                };
+            saga.attempts += 1;
+            self.stats.deliveries.fetch_add(1, Relaxed);
+            if saga.attempts > 1 {
+                self.stats.retries.fetch_add(1, Relaxed);
+            }
+            let reply = self
+                .dispatch
+                .dispatch(step.consumer_type(), envelope, step.timeout())
+                .await;
+            match (direction, reply) {
+                (_, Ok(reply)) => {
+                    if reply.duplicate {
+                        self.stats.duplicates.fetch_add(1, Relaxed);
+                    }
+                    match (direction, reply.outcome) {
+                        (Direction::Forward, StepOutcome::Done(result)) => {
+                            record_result(&mut saga.data, step.name(), result);
+                            saga.current_step += 1;
+                        }
+                        (Direction::Forward, StepOutcome::Refused(reason)) => {
+                            // Refused for good: nothing applied here; undo the ones before.
+                            saga.status = SagaStatus::Compensating;
+                            saga.current_step -= 1;
+                            saga.last_error = Some(format!("{} refused: {reason}", step.name()));
+                        }
+                        (Direction::Backward, outcome) => {
+                            if let StepOutcome::Refused(reason) = outcome {
+                                tracing::warn!(saga_id = %saga.id, step = step.name(), %reason, "compensation refused; counted as undone");
+                            }
+                            saga.current_step -= 1;
+                        }
+                    }
+                    saga.attempts = 0;
+                    self.save(&mut saga).await;
+                }
+                (Direction::Forward, Err(failure)) => {
+                    let attempts = u32::try_from(saga.attempts).unwrap_or(u32::MAX);
+                    saga.last_error = Some(format!("{}: {failure}", step.name()));
+                    let rejected = matches!(failure, StepFailure::Rejected(_));
+                    if rejected || !step.retry().allows(attempts.saturating_add(1)) {
+                        // Out of attempts: it may have applied with its reply lost, so it
+                        // is compensated too (compensations are idempotent per message id).
+                        saga.status = SagaStatus::Compensating;
+                        saga.attempts = 0;
+                        self.save(&mut saga).await;
+                    } else {
+                        self.save(&mut saga).await;
+                        tokio::time::sleep(step.retry().delay(attempts, &mut rng)).await;
+                    }
+                }
+                (Direction::Backward, Err(failure)) => {
+                    // Compensations run until they succeed.
+                    let attempts = u32::try_from(saga.attempts).unwrap_or(u32::MAX);
+                    saga.last_error = Some(format!("undo {}: {failure}", step.name()));
+                    self.save(&mut saga).await;
+                    tokio::time::sleep(step.retry().delay(attempts, &mut rng)).await;
+                }
+            }
+        }
+    }
+
+    async fn load(&self, id: &str) -> Option<SagaInstance> {
+        loop {
+            match self.store.load(id).await {
+                Ok(saga) => return saga,
+                Err(error) => {
+                    tracing::warn!(saga_id = id, %error, "cannot load saga; retrying");
+                    tokio::time::sleep(STORE_RETRY).await;
+                }
+            }
+        }
+    }
+
+    /// Persists progress, retrying until the database takes it: the next command must
+    /// not go out before the state that led to it is stored.
+    async fn save(&self, saga: &mut SagaInstance) {
+        saga.updated_at = Utc::now();
+        while let Err(error) = self.store.save(saga).await {
+            tracing::warn!(saga_id = %saga.id, %error, "cannot save saga; retrying");
+            tokio::time::sleep(STORE_RETRY).await;
+        }
+    }
+}
+
+fn record_result(data: &mut Value, step: &str, result: Value) {
+    if !data.is_object() {
+        *data = json!({ "input": data.take() });
+    }
+    if let Some(object) = data.as_object_mut() {
+        let steps = object.entry("steps").or_insert_with(|| json!({}));
+        if let Some(steps) = steps.as_object_mut() {
+            steps.insert(step.to_owned(), result);
+        }
+    }
+}
+
+/// A per-saga seed for backoff jitter: FNV-1a of the id.
+fn seed_of(id: &str) -> u64 {
+    id.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Fault injection around a [`Dispatch`], for demos and tests: duplicated commands and
+/// lost replies, at given rates, from a seeded generator.
+#[derive(Debug)]
+pub struct Faults<D> {
+    inner: D,
+    duplicate_rate: f64,
+    lost_reply_rate: f64,
+    rng: std::sync::Mutex<StdRng>,
+}
+
+impl<D: Dispatch> Faults<D> {
+    /// Wraps `inner`: each command is delivered twice, concurrently, with probability
+    /// `duplicate_rate`; each reply is dropped after the step answered (the orchestrator
+    /// sees a timeout) with probability `lost_reply_rate`. Rates are clamped to 0..=1.
+    pub fn new(inner: D, duplicate_rate: f64, lost_reply_rate: f64, seed: u64) -> Self {
+        Self {
+            inner,
+            duplicate_rate: clamp_rate(duplicate_rate),
+            lost_reply_rate: clamp_rate(lost_reply_rate),
+            rng: std::sync::Mutex::new(StdRng::seed_from_u64(seed)),
+        }
+    }
+
+    fn roll(&self, rate: f64) -> bool {
+        use rand::RngExt;
+        let mut rng = self
+            .rng
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        rng.random_bool(rate)
+    }
+}
+
+fn clamp_rate(rate: f64) -> f64 {
+    if rate.is_finite() {
+        rate.clamp(0.0, 1.0)
+    } else {
+        0.0
+    }
+}
+
+impl<D: Dispatch> Dispatch for Faults<D> {
+    async fn dispatch(
+        &self,
+        consumer_type: &ConsumerType,
+        envelope: Envelope,
+        timeout: Duration,
+    ) -> Result<StepReply, StepFailure> {
+        let duplicate = self.roll(self.duplicate_rate);
+        let lose_reply = self.roll(self.lost_reply_rate);
+        let reply = if duplicate {
+            let (first, _second) = tokio::join!(
+                self.inner
+                    .dispatch(consumer_type, envelope.clone(), timeout),
+                self.inner.dispatch(consumer_type, envelope, timeout),
+            );
+            first
+        } else {
+            self.inner.dispatch(consumer_type, envelope, timeout).await
+        };
+        if lose_reply {
+            return Err(StepFailure::Timeout(timeout));
+        }
+        reply
+    }
+}
