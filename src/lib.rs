@@ -57,6 +57,7 @@
 
 pub mod clock;
 pub mod database;
+pub mod demo;
 pub mod envelope;
 pub mod inbox;
 pub mod metrics;

@@ -15,7 +15,7 @@
 //! [`OrchestratorMessage::ResumeAll`] drives every unfinished instance — what a restarted
 //! process does first.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -116,6 +116,8 @@ pub struct DriveStats {
 pub enum OrchestratorMessage {
     /// Drive this instance (its row must exist) to a terminal state.
     Drive(String),
+    /// Drive this instance and answer when its driver has finished.
+    Run(String, RpcReplyPort<()>),
     /// Drive every unfinished instance; answers how many were started.
     ResumeAll(RpcReplyPort<Result<usize, String>>),
     /// Answer once no instance is in flight.
@@ -144,7 +146,8 @@ pub struct OrchestratorState<St, D> {
     store: St,
     dispatch: Arc<D>,
     stats: Arc<DriveStats>,
-    in_flight: HashSet<String>,
+    /// Instances being driven, with whoever waits for each to finish.
+    in_flight: HashMap<String, Vec<RpcReplyPort<()>>>,
     idle_waiters: Vec<RpcReplyPort<()>>,
 }
 
@@ -169,10 +172,16 @@ impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
         myself: &ActorRef<OrchestratorMessage>,
         state: &mut OrchestratorState<St, D>,
         id: String,
+        waiter: Option<RpcReplyPort<()>>,
     ) {
-        if !state.in_flight.insert(id.clone()) {
+        if let Some(waiters) = state.in_flight.get_mut(&id) {
+            // Already being driven: never two drivers for one saga.
+            waiters.extend(waiter);
             return;
         }
+        state
+            .in_flight
+            .insert(id.clone(), waiter.into_iter().collect());
         let driver = Driver {
             definition: Arc::clone(&state.definition),
             store: state.store.clone(),
@@ -203,7 +212,7 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
             store: args.store,
             dispatch: args.dispatch,
             stats: args.stats,
-            in_flight: HashSet::new(),
+            in_flight: HashMap::new(),
             idle_waiters: Vec::new(),
         })
     }
@@ -215,13 +224,14 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         match message {
-            OrchestratorMessage::Drive(id) => Self::start(&myself, state, id),
+            OrchestratorMessage::Drive(id) => Self::start(&myself, state, id, None),
+            OrchestratorMessage::Run(id, reply) => Self::start(&myself, state, id, Some(reply)),
             OrchestratorMessage::ResumeAll(reply) => {
                 let answer = match state.store.unfinished().await {
                     Ok(ids) => {
                         let count = ids.len();
                         for id in ids {
-                            Self::start(&myself, state, id);
+                            Self::start(&myself, state, id, None);
                         }
                         Ok(count)
                     }
@@ -237,7 +247,9 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
                 }
             }
             OrchestratorMessage::Finished(id) => {
-                state.in_flight.remove(&id);
+                for waiter in state.in_flight.remove(&id).into_iter().flatten() {
+                    let _ = waiter.send(());
+                }
                 if state.in_flight.is_empty() {
                     for waiter in state.idle_waiters.drain(..) {
                         let _ = waiter.send(());

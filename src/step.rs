@@ -125,11 +125,33 @@ pub struct StepWorker<S, H> {
     guard: InboxGuard<S>,
     consumer_type: ConsumerType,
     handler: Arc<H>,
+    bypass_inbox: bool,
 }
 
 impl<S: InboxStore, H: StepHandler<S::Db>> StepWorker<S, H> {
     async fn run(&self, envelope: &Envelope) -> Result<StepReply, StepFailure> {
         let handler = &self.handler;
+        if self.bypass_inbox {
+            let applied = self
+                .guard
+                .process_without_inbox(envelope, async |conn, envelope| {
+                    match handler.handle(conn, envelope).await {
+                        Ok(value) => Ok(StepOutcome::Done(value)),
+                        Err(StepError::Permanent(reason)) => Ok(StepOutcome::Refused(reason)),
+                        Err(StepError::Retryable(reason)) => Err(reason),
+                    }
+                    .map(|outcome| outcome.to_record())
+                })
+                .await;
+            return match applied {
+                Ok(record) => Ok(StepReply {
+                    outcome: StepOutcome::from_record(&record),
+                    duplicate: false,
+                }),
+                Err(GuardError::Handler(reason)) => Err(StepFailure::Retryable(reason)),
+                Err(error) => Err(StepFailure::Retryable(error.to_string())),
+            };
+        }
         let processed = self
             .guard
             .process(
@@ -197,11 +219,18 @@ impl<S: InboxStore, H: StepHandler<S::Db>> Worker for StepWorker<S, H> {
 pub struct StepPoolConfig {
     /// Competing workers. Defaults to 4.
     pub workers: usize,
+    /// Run handlers without the inbox: every delivery applied, duplicates included. Only
+    /// for showing what the inbox prevents (`sagabox demo --no-inbox`). Defaults to
+    /// `false`.
+    pub bypass_inbox: bool,
 }
 
 impl Default for StepPoolConfig {
     fn default() -> Self {
-        Self { workers: 4 }
+        Self {
+            workers: 4,
+            bypass_inbox: false,
+        }
     }
 }
 
@@ -243,6 +272,7 @@ impl StepPool {
                     guard: guard.clone(),
                     consumer_type: consumer_type.clone(),
                     handler: Arc::clone(&handler),
+                    bypass_inbox: config.bypass_inbox,
                 };
                 (worker, ())
             })

@@ -136,7 +136,7 @@ macro_rules! orchestrator_suite {
                 let mut dispatch = InProcess::new();
                 for step in trip().steps() {
                     let guard = InboxGuard::new(fx.store(4).await, InboxConfig::default()).unwrap();
-                    let pool = StepPool::spawn(guard, step.consumer_type().clone(), Handler(ledger.clone()), StepPoolConfig { workers: 3 })
+                    let pool = StepPool::spawn(guard, step.consumer_type().clone(), Handler(ledger.clone()), StepPoolConfig { workers: 3, ..StepPoolConfig::default() })
                         .await
                         .unwrap();
                     dispatch = dispatch.with_pool(pool);

@@ -175,6 +175,10 @@ impl InboxStore for PostgresStore {
         Ok((tx, first))
     }
 
+    async fn begin_plain(&self) -> Result<Transaction<'static, Self::Db>, sqlx::Error> {
+        self.pool.begin().await
+    }
+
     async fn record(
         &self,
         tx: &mut Transaction<'static, Postgres>,

@@ -141,6 +141,10 @@ impl InboxStore for SqliteStore {
         Ok((tx, first))
     }
 
+    async fn begin_plain(&self) -> Result<Transaction<'static, Self::Db>, sqlx::Error> {
+        self.pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
     async fn record(
         &self,
         tx: &mut Transaction<'static, Sqlite>,

@@ -1,4 +1,4 @@
-//! The `sagabox` command line: `migrate`, `prune`, `bench`.
+//! The `sagabox` command line: `demo`, `migrate`, `prune`, `bench`.
 
 mod bench;
 
@@ -19,6 +19,43 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the checkout saga (payment → inventory → email) under injected faults and
+    /// report, from the tables, whether anything was charged, decremented or sent twice.
+    Demo {
+        /// sqlite:file.db (default: sagabox-demo.db here) or postgres://user@host:port/db
+        #[arg(long, env = "DATABASE_URL", default_value = "sqlite:sagabox-demo.db")]
+        database_url: String,
+        /// Orders to place.
+        #[arg(long, default_value_t = 1000)]
+        orders: usize,
+        /// Sagas in flight at once.
+        #[arg(long, default_value_t = 32)]
+        concurrency: usize,
+        /// Share of step commands delivered twice, concurrently (0..=1).
+        #[arg(long, default_value_t = 0.5)]
+        duplicate_rate: f64,
+        /// Share of replies lost after the step committed (0..1).
+        #[arg(long, default_value_t = 0.1)]
+        lost_reply_rate: f64,
+        /// Share of handler runs failing after their write, before commit (0..1).
+        #[arg(long, default_value_t = 0.1)]
+        fail_rate: f64,
+        /// Share of orders whose card is declined (0..=1).
+        #[arg(long, default_value_t = 0.05)]
+        decline_rate: f64,
+        /// Seed of every random choice.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Bypass the inbox: the control that shows the damage.
+        #[arg(long)]
+        no_inbox: bool,
+        /// Place no orders; finish every unfinished saga.
+        #[arg(long)]
+        resume: bool,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Run the migrations and create the current and upcoming inbox partitions.
     Migrate {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
@@ -93,6 +130,52 @@ async fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match cli.command {
+        Command::Demo {
+            database_url,
+            orders,
+            concurrency,
+            duplicate_rate,
+            lost_reply_rate,
+            fail_rate,
+            decline_rate,
+            seed,
+            no_inbox,
+            resume,
+            json,
+        } => {
+            let config = sagabox::demo::DemoConfig {
+                orders,
+                concurrency,
+                duplicate_rate,
+                lost_reply_rate,
+                fail_rate,
+                decline_rate,
+                seed,
+                no_inbox,
+                resume,
+                progress: !json,
+            };
+            match sagabox::demo::run(&database_url, &config).await {
+                Ok(summary) if json => match serde_json::to_string(&summary) {
+                    Ok(text) => {
+                        println!("{text}");
+                        ExitCode::SUCCESS
+                    }
+                    Err(error) => {
+                        eprintln!("sagabox demo: {error}");
+                        ExitCode::FAILURE
+                    }
+                },
+                Ok(summary) => {
+                    print!("{summary}");
+                    ExitCode::SUCCESS
+                }
+                Err(error) => {
+                    eprintln!("sagabox demo: {error}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Prune {
             database_url,
             dry_run,

@@ -1,0 +1,705 @@
+//! The checkout demo behind `sagabox demo` and `examples/checkout.rs`: payment →
+//! inventory → email, with refund and restock as compensations, run by the orchestrator
+//! over step pools under injected duplicates, lost replies, failures after the write and
+//! declined cards — and a summary whose `double_*` and `stock_drift` figures are read
+//! from the business tables by SQL, not counted in memory.
+//!
+//! The business tables are deliberately not idempotent (append-only ledgers, a stock
+//! counter): the inbox is what keeps them exact. `--no-inbox` runs the same saga with
+//! the guard bypassed, to show the damage.
+
+use std::fmt;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use chrono::Utc;
+use indicatif::{ProgressBar, ProgressStyle};
+use ractor::Actor;
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use serde::Serialize;
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+use crate::database::{Backend, redact};
+use crate::inbox::{InboxConfig, InboxError, InboxGuard};
+use crate::orchestrator::{
+    DriveStats, Faults, InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage,
+};
+use crate::saga::{DefinitionError, SagaDefinition, SagaInstance, SagaStore};
+use crate::step::{StepError, StepHandler, StepPool, StepPoolConfig};
+
+/// The checkout saga, as shipped in `sagas/checkout.toml`.
+pub const CHECKOUT_TOML: &str = include_str!("../sagas/checkout.toml");
+
+/// Stock keeping units in the demo's inventory.
+const SKUS: [&str; 5] = [
+    "sku-apple",
+    "sku-bread",
+    "sku-cheese",
+    "sku-dates",
+    "sku-eggs",
+];
+
+/// How the demo runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DemoConfig {
+    /// Orders to place (ignored with `resume`). Defaults to 1,000.
+    pub orders: usize,
+    /// Sagas in flight at once. Defaults to 32.
+    pub concurrency: usize,
+    /// Share of step commands delivered twice, concurrently. Defaults to 0.
+    pub duplicate_rate: f64,
+    /// Share of replies dropped after the step committed. Defaults to 0.
+    pub lost_reply_rate: f64,
+    /// Share of handler runs that fail after writing, before commit. Defaults to 0.
+    pub fail_rate: f64,
+    /// Share of orders whose card is declined. Defaults to 0.
+    pub decline_rate: f64,
+    /// Seed of every random choice. Defaults to 1.
+    pub seed: u64,
+    /// Bypass the inbox (the control experiment). Defaults to `false`.
+    pub no_inbox: bool,
+    /// Place no orders; finish every unfinished saga. Defaults to `false`.
+    pub resume: bool,
+    /// Show a progress bar on stderr. Defaults to `false`.
+    pub progress: bool,
+}
+
+impl Default for DemoConfig {
+    fn default() -> Self {
+        Self {
+            orders: 1000,
+            concurrency: 32,
+            duplicate_rate: 0.0,
+            lost_reply_rate: 0.0,
+            fail_rate: 0.0,
+            decline_rate: 0.0,
+            seed: 1,
+            no_inbox: false,
+            resume: false,
+            progress: false,
+        }
+    }
+}
+
+/// Why the demo could not run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DemoError {
+    /// A setting out of range.
+    #[error("invalid demo setting: {0}")]
+    Config(String),
+    /// The saga definition did not load.
+    #[error(transparent)]
+    Definition(#[from] DefinitionError),
+    /// The inbox refused or failed.
+    #[error(transparent)]
+    Inbox(#[from] InboxError),
+    /// The database failed.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// An actor did not start or answer.
+    #[error("actor failure: {0}")]
+    Actor(String),
+}
+
+impl DemoConfig {
+    /// Checks every setting.
+    pub fn validate(&self) -> Result<(), DemoError> {
+        for (name, rate) in [
+            ("--duplicate-rate", self.duplicate_rate),
+            ("--lost-reply-rate", self.lost_reply_rate),
+            ("--fail-rate", self.fail_rate),
+            ("--decline-rate", self.decline_rate),
+        ] {
+            if !(0.0..=1.0).contains(&rate) {
+                return Err(DemoError::Config(format!(
+                    "{name} must be within 0..=1, got {rate}"
+                )));
+            }
+        }
+        if self.fail_rate >= 1.0 {
+            return Err(DemoError::Config(
+                "--fail-rate 1 would fail every attempt forever: use less than 1".into(),
+            ));
+        }
+        if self.lost_reply_rate >= 1.0 {
+            return Err(DemoError::Config(
+                "--lost-reply-rate 1 would lose every reply forever: use less than 1".into(),
+            ));
+        }
+        if self.concurrency == 0 {
+            return Err(DemoError::Config("--concurrency must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+/// What a run did, with the damage figures read from the business tables.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DemoSummary {
+    /// The database, password redacted.
+    pub database: String,
+    /// Whether the inbox was bypassed.
+    pub no_inbox: bool,
+    /// Orders in the demo tables.
+    pub orders: i64,
+    /// Checkout sagas completed.
+    pub completed: i64,
+    /// Checkout sagas compensated (declined, out of stock, gave up).
+    pub compensated: i64,
+    /// Checkout sagas neither.
+    pub unfinished: i64,
+    /// Step commands sent by the orchestrator, retries included.
+    pub deliveries: u64,
+    /// Replies that said the step had already applied the command.
+    pub duplicates_skipped: u64,
+    /// Commands sent again after a timeout, a lost reply or a failure.
+    pub retries: u64,
+    /// Orders charged more than once (SQL over `payment_charges`).
+    pub double_charges: i64,
+    /// Orders refunded more than once (SQL over `payment_charges`).
+    pub double_refunds: i64,
+    /// Orders confirmed by email more than once (SQL over `emails_sent`).
+    pub double_emails: i64,
+    /// Σ over skus of |on_hand − (initial − quantity of completed orders)| (SQL).
+    pub stock_drift: i64,
+    /// Wall time of the run.
+    pub elapsed_ms: u64,
+    /// Sagas finished per second in this run.
+    pub sagas_per_sec: f64,
+}
+
+impl fmt::Display for DemoSummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let inbox = if self.no_inbox { "BYPASSED" } else { "on" };
+        writeln!(f, "checkout demo on {} (inbox {inbox})", self.database)?;
+        let rows: [(&str, String); 14] = [
+            ("orders", self.orders.to_string()),
+            ("completed", self.completed.to_string()),
+            ("compensated", self.compensated.to_string()),
+            ("unfinished", self.unfinished.to_string()),
+            ("deliveries", self.deliveries.to_string()),
+            ("duplicates skipped", self.duplicates_skipped.to_string()),
+            ("retries", self.retries.to_string()),
+            ("double charges", self.double_charges.to_string()),
+            ("double refunds", self.double_refunds.to_string()),
+            ("double emails", self.double_emails.to_string()),
+            ("stock drift", self.stock_drift.to_string()),
+            ("elapsed", format!("{} ms", self.elapsed_ms)),
+            ("sagas/s", format!("{:.0}", self.sagas_per_sec)),
+            (
+                "verdict",
+                if self.double_charges + self.double_refunds + self.double_emails + self.stock_drift
+                    == 0
+                {
+                    "nothing charged, decremented or sent twice".to_owned()
+                } else {
+                    "DAMAGE: side effects applied more than once".to_owned()
+                },
+            ),
+        ];
+        for (name, value) in rows {
+            writeln!(f, "  {name:<20} {value}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Injected handler failures: after the write, before the commit.
+#[derive(Debug)]
+struct HandlerFaults {
+    fail_rate: f64,
+    rng: Mutex<StdRng>,
+}
+
+impl HandlerFaults {
+    fn fail_after_write(&self) -> Result<(), StepError> {
+        let fail = self
+            .rng
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .random_bool(self.fail_rate);
+        if fail {
+            Err(StepError::Retryable(
+                "injected failure after the write, before commit".into(),
+            ))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// The three participants' logic, one handler for every step (it dispatches on the
+/// message kind).
+#[derive(Debug, Clone)]
+struct Checkout {
+    faults: Arc<HandlerFaults>,
+}
+
+fn order_field<'a>(envelope: &'a crate::Envelope, name: &str) -> Result<&'a Value, StepError> {
+    envelope
+        .payload
+        .get(name)
+        .ok_or_else(|| StepError::Permanent(format!("order payload has no {name:?}")))
+}
+
+fn text(value: &Value, name: &str) -> Result<String, StepError> {
+    value
+        .as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| StepError::Permanent(format!("{name} is not text")))
+}
+
+fn number(value: &Value, name: &str) -> Result<i64, StepError> {
+    value
+        .as_i64()
+        .ok_or_else(|| StepError::Permanent(format!("{name} is not an integer")))
+}
+
+fn retryable(error: sqlx::Error) -> StepError {
+    StepError::Retryable(error.to_string())
+}
+
+macro_rules! checkout_handler {
+    ($db:ty) => {
+        impl StepHandler<$db> for Checkout {
+            async fn handle(
+                &self,
+                conn: &mut <$db as sqlx::Database>::Connection,
+                envelope: &crate::Envelope,
+            ) -> Result<Value, StepError> {
+                let order_id = text(order_field(envelope, "order_id")?, "order_id")?;
+                let exists = async |conn: &mut <$db as sqlx::Database>::Connection,
+                                    sql: &'static str|
+                       -> Result<bool, StepError> {
+                    let n: i64 = sqlx::query_scalar(sql)
+                        .bind(&order_id)
+                        .fetch_one(&mut *conn)
+                        .await
+                        .map_err(retryable)?;
+                    Ok(n > 0)
+                };
+                let result = match envelope.kind.as_str() {
+                    "charge" => {
+                        if envelope.payload.get("decline").and_then(Value::as_bool) == Some(true) {
+                            return Err(StepError::Permanent("card declined".into()));
+                        }
+                        // A charge that arrives after its refund (a late retry) must not land.
+                        if exists(conn, "SELECT COUNT(*) FROM payment_charges WHERE order_id = $1 AND kind = 'refund'").await? {
+                            return Err(StepError::Permanent("order cancelled".into()));
+                        }
+                        let amount = number(order_field(envelope, "amount_cents")?, "amount_cents")?;
+                        sqlx::query("INSERT INTO payment_charges (order_id, amount_cents, kind) VALUES ($1, $2, 'charge')")
+                            .bind(&order_id)
+                            .bind(amount)
+                            .execute(&mut *conn)
+                            .await
+                            .map_err(retryable)?;
+                        json!({ "charged_cents": amount })
+                    }
+                    "refund" => {
+                        let charged: i64 = sqlx::query_scalar(
+                            "SELECT CAST(COALESCE(SUM(amount_cents), 0) AS BIGINT) FROM payment_charges WHERE order_id = $1 AND kind = 'charge'",
+                        )
+                        .bind(&order_id)
+                        .fetch_one(&mut *conn)
+                        .await
+                        .map_err(retryable)?;
+                        // Always leave a refund row (0 when nothing was charged): it also
+                        // blocks a charge that arrives late.
+                        sqlx::query("INSERT INTO payment_charges (order_id, amount_cents, kind) VALUES ($1, $2, 'refund')")
+                            .bind(&order_id)
+                            .bind(charged)
+                            .execute(&mut *conn)
+                            .await
+                            .map_err(retryable)?;
+                        json!({ "refunded_cents": charged })
+                    }
+                    "decrement_stock" => {
+                        if exists(conn, "SELECT COUNT(*) FROM inventory_moves WHERE order_id = $1 AND kind = 'restock'").await? {
+                            return Err(StepError::Permanent("order cancelled".into()));
+                        }
+                        let sku = text(order_field(envelope, "sku")?, "sku")?;
+                        let quantity = number(order_field(envelope, "quantity")?, "quantity")?;
+                        let taken = sqlx::query(
+                            "UPDATE inventory SET on_hand = on_hand - $1 WHERE sku = $2 AND on_hand >= $1",
+                        )
+                        .bind(quantity)
+                        .bind(&sku)
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(retryable)?
+                        .rows_affected();
+                        if taken == 0 {
+                            return Err(StepError::Permanent(format!("out of stock: {sku}")));
+                        }
+                        sqlx::query("INSERT INTO inventory_moves (order_id, sku, delta, kind) VALUES ($1, $2, $3, 'decrement')")
+                            .bind(&order_id)
+                            .bind(&sku)
+                            .bind(-quantity)
+                            .execute(&mut *conn)
+                            .await
+                            .map_err(retryable)?;
+                        json!({ "sku": sku, "taken": quantity })
+                    }
+                    "restock" => {
+                        let sku = text(order_field(envelope, "sku")?, "sku")?;
+                        let taken: i64 = sqlx::query_scalar(
+                            "SELECT CAST(COALESCE(-SUM(delta), 0) AS BIGINT) FROM inventory_moves WHERE order_id = $1 AND kind = 'decrement'",
+                        )
+                        .bind(&order_id)
+                        .fetch_one(&mut *conn)
+                        .await
+                        .map_err(retryable)?;
+                        sqlx::query("UPDATE inventory SET on_hand = on_hand + $1 WHERE sku = $2")
+                            .bind(taken)
+                            .bind(&sku)
+                            .execute(&mut *conn)
+                            .await
+                            .map_err(retryable)?;
+                        // Always leave a restock row: it also blocks a late decrement.
+                        sqlx::query("INSERT INTO inventory_moves (order_id, sku, delta, kind) VALUES ($1, $2, $3, 'restock')")
+                            .bind(&order_id)
+                            .bind(&sku)
+                            .bind(taken)
+                            .execute(&mut *conn)
+                            .await
+                            .map_err(retryable)?;
+                        json!({ "sku": sku, "returned": taken })
+                    }
+                    "send_confirmation" => {
+                        sqlx::query("INSERT INTO emails_sent (order_id, template) VALUES ($1, 'confirmation')")
+                            .bind(&order_id)
+                            .execute(&mut *conn)
+                            .await
+                            .map_err(retryable)?;
+                        json!({ "email": "confirmation" })
+                    }
+                    other => return Err(StepError::Permanent(format!("unknown command {other:?}"))),
+                };
+                self.faults.fail_after_write()?;
+                Ok(result)
+            }
+        }
+    };
+}
+
+#[cfg(feature = "postgres")]
+checkout_handler!(sqlx::Postgres);
+#[cfg(feature = "sqlite")]
+checkout_handler!(sqlx::Sqlite);
+
+const POSTGRES_TABLES: &str = "
+CREATE TABLE IF NOT EXISTS demo_orders (id TEXT PRIMARY KEY, saga_id TEXT NOT NULL, sku TEXT NOT NULL,
+    quantity BIGINT NOT NULL, amount_cents BIGINT NOT NULL);
+CREATE TABLE IF NOT EXISTS payment_charges (id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    order_id TEXT NOT NULL, amount_cents BIGINT NOT NULL, kind TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS payment_charges_order ON payment_charges (order_id);
+CREATE TABLE IF NOT EXISTS inventory (sku TEXT PRIMARY KEY, initial BIGINT NOT NULL, on_hand BIGINT NOT NULL);
+CREATE TABLE IF NOT EXISTS inventory_moves (id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    order_id TEXT NOT NULL, sku TEXT NOT NULL, delta BIGINT NOT NULL, kind TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS inventory_moves_order ON inventory_moves (order_id);
+CREATE TABLE IF NOT EXISTS emails_sent (id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    order_id TEXT NOT NULL, template TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS emails_sent_order ON emails_sent (order_id);
+";
+
+const SQLITE_TABLES: &str = "
+CREATE TABLE IF NOT EXISTS demo_orders (id TEXT PRIMARY KEY, saga_id TEXT NOT NULL, sku TEXT NOT NULL,
+    quantity BIGINT NOT NULL, amount_cents BIGINT NOT NULL);
+CREATE TABLE IF NOT EXISTS payment_charges (id INTEGER PRIMARY KEY AUTOINCREMENT,
+    order_id TEXT NOT NULL, amount_cents BIGINT NOT NULL, kind TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS payment_charges_order ON payment_charges (order_id);
+CREATE TABLE IF NOT EXISTS inventory (sku TEXT PRIMARY KEY, initial BIGINT NOT NULL, on_hand BIGINT NOT NULL);
+CREATE TABLE IF NOT EXISTS inventory_moves (id INTEGER PRIMARY KEY AUTOINCREMENT,
+    order_id TEXT NOT NULL, sku TEXT NOT NULL, delta BIGINT NOT NULL, kind TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS inventory_moves_order ON inventory_moves (order_id);
+CREATE TABLE IF NOT EXISTS emails_sent (id INTEGER PRIMARY KEY AUTOINCREMENT,
+    order_id TEXT NOT NULL, template TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS emails_sent_order ON emails_sent (order_id);
+";
+
+const RESET: &str = "
+DELETE FROM demo_orders; DELETE FROM payment_charges; DELETE FROM inventory;
+DELETE FROM inventory_moves; DELETE FROM emails_sent;
+DELETE FROM saga_instances WHERE saga_name = 'checkout';
+";
+
+const SUMMARY_SQL: [(&str, &str); 8] = [
+    ("orders", "SELECT COUNT(*) FROM demo_orders"),
+    (
+        "completed",
+        "SELECT COUNT(*) FROM saga_instances WHERE saga_name = 'checkout' AND status = 'completed'",
+    ),
+    (
+        "compensated",
+        "SELECT COUNT(*) FROM saga_instances WHERE saga_name = 'checkout' AND status = 'compensated'",
+    ),
+    (
+        "unfinished",
+        "SELECT COUNT(*) FROM saga_instances WHERE saga_name = 'checkout' AND status IN ('running', 'compensating')",
+    ),
+    (
+        "double_charges",
+        "SELECT COUNT(*) FROM (SELECT order_id FROM payment_charges WHERE kind = 'charge' GROUP BY order_id HAVING COUNT(*) > 1) d",
+    ),
+    (
+        "double_refunds",
+        "SELECT COUNT(*) FROM (SELECT order_id FROM payment_charges WHERE kind = 'refund' GROUP BY order_id HAVING COUNT(*) > 1) d",
+    ),
+    (
+        "double_emails",
+        "SELECT COUNT(*) FROM (SELECT order_id FROM emails_sent GROUP BY order_id HAVING COUNT(*) > 1) d",
+    ),
+    (
+        "stock_drift",
+        "SELECT CAST(COALESCE(SUM(ABS(i.on_hand - (i.initial - COALESCE((SELECT SUM(o.quantity) FROM demo_orders o \
+        JOIN saga_instances s ON s.id = o.saga_id WHERE o.sku = i.sku AND s.status = 'completed'), 0)))), 0) AS BIGINT) FROM inventory i",
+    ),
+];
+
+/// One order of the run: what goes into `demo_orders` and the saga's data.
+fn order(rng: &mut StdRng, decline_rate: f64) -> (String, Value) {
+    let order_id = Uuid::now_v7().to_string();
+    let sku = SKUS[rng.random_range(0..SKUS.len())];
+    let quantity: i64 = rng.random_range(1..=3);
+    let amount_cents: i64 = rng.random_range(100..=20_000);
+    let decline = rng.random_bool(decline_rate);
+    let data = json!({
+        "order_id": order_id, "sku": sku, "quantity": quantity,
+        "amount_cents": amount_cents, "decline": decline,
+    });
+    (order_id, data)
+}
+
+/// Stock per sku: about 85 % of the expected demand, so some orders run out.
+fn initial_stock(orders: usize) -> i64 {
+    let expected = (orders as f64 * 2.0 / SKUS.len() as f64).ceil();
+    (expected * 0.85).max(1.0) as i64
+}
+
+macro_rules! backend_run {
+    ($name:ident, $store:ty, $db:ty, $tables:expr) => {
+        async fn $name(
+            url: &str,
+            store: $store,
+            config: &DemoConfig,
+        ) -> Result<DemoSummary, DemoError> {
+            let definition = Arc::new(SagaDefinition::from_toml_str(CHECKOUT_TOML)?);
+            let guard = InboxGuard::new(store.clone(), InboxConfig::default()).map_err(InboxError::from)?;
+            guard.migrate().await?;
+            let pool = store.pool().clone();
+            sqlx::raw_sql($tables).execute(&pool).await?;
+            if !config.resume {
+                sqlx::raw_sql(RESET).execute(&pool).await?;
+                for sku in SKUS {
+                    let stock = initial_stock(config.orders);
+                    sqlx::query("INSERT INTO inventory (sku, initial, on_hand) VALUES ($1, $2, $2)")
+                        .bind(sku)
+                        .bind(stock)
+                        .execute(&pool)
+                        .await?;
+                }
+            }
+
+            let handler = Checkout {
+                faults: Arc::new(HandlerFaults {
+                    fail_rate: config.fail_rate,
+                    rng: Mutex::new(StdRng::seed_from_u64(config.seed ^ 0x5eed)),
+                }),
+            };
+            let mut dispatch = InProcess::new();
+            for step in definition.steps() {
+                let pool = StepPool::spawn(
+                    guard.clone(),
+                    step.consumer_type().clone(),
+                    handler.clone(),
+                    StepPoolConfig { workers: 4, bypass_inbox: config.no_inbox },
+                )
+                .await
+                .map_err(|e| DemoError::Actor(e.to_string()))?;
+                dispatch = dispatch.with_pool(pool);
+            }
+            let stats = Arc::new(DriveStats::default());
+            let (orchestrator, orchestrator_handle) = Actor::spawn(
+                None,
+                Orchestrator::new(),
+                OrchestratorArguments {
+                    definition: Arc::clone(&definition),
+                    store: store.clone(),
+                    dispatch: Arc::new(Faults::new(
+                        dispatch,
+                        config.duplicate_rate,
+                        config.lost_reply_rate,
+                        config.seed,
+                    )),
+                    stats: Arc::clone(&stats),
+                },
+            )
+            .await
+            .map_err(|e| DemoError::Actor(e.to_string()))?;
+
+            let started = Instant::now();
+            let progress = if config.progress {
+                ProgressBar::new(0)
+            } else {
+                ProgressBar::hidden()
+            };
+            progress.set_style(
+                ProgressStyle::with_template("{spinner} {msg} [{bar:40}] {pos}/{len} sagas ({per_sec})")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            let finished = if config.resume {
+                progress.set_message("resuming");
+                let unfinished = store.unfinished().await?.len();
+                progress.set_length(unfinished as u64);
+                let resumed = ractor::call!(orchestrator, OrchestratorMessage::ResumeAll)
+                    .map_err(|e| DemoError::Actor(e.to_string()))?
+                    .map_err(DemoError::Actor)?;
+                ractor::call!(orchestrator, OrchestratorMessage::WhenIdle)
+                    .map_err(|e| DemoError::Actor(e.to_string()))?;
+                progress.set_position(resumed as u64);
+                resumed
+            } else {
+                progress.set_message("checkout");
+                progress.set_length(config.orders as u64);
+                let permits = Arc::new(tokio::sync::Semaphore::new(config.concurrency));
+                let mut rng = StdRng::seed_from_u64(config.seed);
+                let mut running = tokio::task::JoinSet::new();
+                for _ in 0..config.orders {
+                    let permit = Arc::clone(&permits)
+                        .acquire_owned()
+                        .await
+                        .map_err(|e| DemoError::Actor(e.to_string()))?;
+                    let (order_id, data) = order(&mut rng, config.decline_rate);
+                    let saga = SagaInstance::new(Uuid::now_v7().to_string(), definition.name(), data.clone(), Utc::now());
+                    // The order and its saga commit together: no order without its saga.
+                    let mut tx = pool.begin().await?;
+                    sqlx::query("INSERT INTO demo_orders (id, saga_id, sku, quantity, amount_cents) VALUES ($1, $2, $3, $4, $5)")
+                        .bind(&order_id)
+                        .bind(&saga.id)
+                        .bind(data["sku"].as_str())
+                        .bind(data["quantity"].as_i64())
+                        .bind(data["amount_cents"].as_i64())
+                        .execute(&mut *tx)
+                        .await?;
+                    <$store as SagaStore>::insert(&mut tx, &saga).await?;
+                    tx.commit().await?;
+                    let (orchestrator, progress) = (orchestrator.clone(), progress.clone());
+                    running.spawn(async move {
+                        let done = ractor::call!(orchestrator, OrchestratorMessage::Run, saga.id);
+                        progress.inc(1);
+                        drop(permit);
+                        done.map_err(|e| DemoError::Actor(e.to_string()))
+                    });
+                }
+                while let Some(joined) = running.join_next().await {
+                    joined.map_err(|e| DemoError::Actor(e.to_string()))??;
+                }
+                config.orders
+            };
+            progress.finish_and_clear();
+            let elapsed = started.elapsed();
+            orchestrator.stop(None);
+            let _ = orchestrator_handle.await;
+
+            let mut figures = std::collections::HashMap::new();
+            for (name, sql) in SUMMARY_SQL {
+                let value: i64 = sqlx::query_scalar(sql).fetch_one(&pool).await?;
+                figures.insert(name, value);
+            }
+            let figure = |name: &str| figures.get(name).copied().unwrap_or_default();
+            Ok(DemoSummary {
+                database: redact(url),
+                no_inbox: config.no_inbox,
+                orders: figure("orders"),
+                completed: figure("completed"),
+                compensated: figure("compensated"),
+                unfinished: figure("unfinished"),
+                deliveries: stats.deliveries.load(Relaxed),
+                duplicates_skipped: stats.duplicates.load(Relaxed),
+                retries: stats.retries.load(Relaxed),
+                double_charges: figure("double_charges"),
+                double_refunds: figure("double_refunds"),
+                double_emails: figure("double_emails"),
+                stock_drift: figure("stock_drift"),
+                elapsed_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
+                sagas_per_sec: finished as f64 / elapsed.as_secs_f64().max(1e-9),
+            })
+        }
+    };
+}
+
+#[cfg(feature = "postgres")]
+backend_run!(
+    run_postgres,
+    crate::PostgresStore,
+    sqlx::Postgres,
+    POSTGRES_TABLES
+);
+#[cfg(feature = "sqlite")]
+backend_run!(run_sqlite, crate::SqliteStore, sqlx::Sqlite, SQLITE_TABLES);
+
+/// Runs the checkout demo on the database at `url` (`sqlite:…` or `postgres://…`).
+///
+/// Without `resume` it first resets the demo's own tables (`demo_orders`,
+/// `payment_charges`, `inventory`, `inventory_moves`, `emails_sent` and the `checkout`
+/// rows of `saga_instances`) and stocks the inventory.
+pub async fn run(url: &str, config: &DemoConfig) -> Result<DemoSummary, DemoError> {
+    config.validate()?;
+    let connections = u32::try_from(config.concurrency.clamp(4, 64)).unwrap_or(16);
+    match Backend::of(url)? {
+        #[cfg(feature = "postgres")]
+        Backend::Postgres => {
+            let store = crate::PostgresStore::connect(url, connections).await?;
+            run_postgres(url, store, config).await
+        }
+        #[cfg(feature = "sqlite")]
+        Backend::Sqlite => {
+            let store = crate::SqliteStore::connect(url, connections.min(8)).await?;
+            run_sqlite(url, store, config).await
+        }
+        #[allow(unreachable_patterns)]
+        _ => Err(InboxError::UnsupportedUrl(redact(url)).into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_are_checked() {
+        let bad = DemoConfig {
+            duplicate_rate: 1.5,
+            ..DemoConfig::default()
+        };
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("--duplicate-rate")
+        );
+        let forever = DemoConfig {
+            fail_rate: 1.0,
+            ..DemoConfig::default()
+        };
+        assert!(forever.validate().is_err());
+        assert!(DemoConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn the_shipped_definition_loads() {
+        let definition = SagaDefinition::from_toml_str(CHECKOUT_TOML).unwrap();
+        assert_eq!(definition.steps().len(), 3);
+    }
+
+    #[test]
+    fn stock_runs_short_of_demand() {
+        assert!(initial_stock(1000) < 400);
+        assert!(initial_stock(0) >= 1);
+    }
+}
