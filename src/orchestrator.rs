@@ -394,12 +394,26 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
     }
 
     /// Persists progress, retrying until the database takes it: the next command must
-    /// not go out before the state that led to it is stored.
+    /// not go out before the state that led to it is stored. If another driver (a second
+    /// process, or a stale one) saved in between, nothing is written and `saga` is
+    /// reloaded: the driver goes on from the stored state, never from its stale copy.
     async fn save(&self, saga: &mut SagaInstance) {
         saga.updated_at = Utc::now();
-        while let Err(error) = self.store.save(saga).await {
-            tracing::warn!(saga_id = %saga.id, %error, "cannot save saga; retrying");
-            tokio::time::sleep(STORE_RETRY).await;
+        loop {
+            match self.store.save(saga).await {
+                Ok(true) => return,
+                Ok(false) => {
+                    tracing::info!(saga_id = %saga.id, "saga changed under this driver; reloading");
+                    if let Some(stored) = self.load(&saga.id).await {
+                        *saga = stored;
+                    }
+                    return;
+                }
+                Err(error) => {
+                    tracing::warn!(saga_id = %saga.id, %error, "cannot save saga; retrying");
+                    tokio::time::sleep(STORE_RETRY).await;
+                }
+            }
         }
     }
 }

@@ -222,6 +222,51 @@ macro_rules! orchestrator_suite {
                 orchestrator.stop(None);
             }
 
+            /// Two drivers (or a stale process) holding copies of one saga: the second save
+            /// from the older copy writes nothing, so state never goes backwards.
+            #[tokio::test]
+            async fn a_save_from_a_stale_copy_changes_nothing() {
+                let fx = <$fixture>::new().await;
+                let store = fx.store(2).await;
+                let id = create(&store, 1).await;
+                let mut first = store.load(&id).await.unwrap().unwrap();
+                let mut stale = first.clone();
+                first.current_step = 2;
+                assert!(store.save(&mut first).await.unwrap());
+                stale.current_step = 1;
+                assert!(!store.save(&mut stale).await.unwrap(), "stale copy refused");
+                let stored = store.load(&id).await.unwrap().unwrap();
+                assert_eq!((stored.current_step, stored.version), (2, 1));
+            }
+
+            /// Many `Drive` messages for the same sagas at once: still one driver per saga,
+            /// so each step is sent exactly once when nothing fails.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn one_driver_per_saga_however_often_it_is_asked() {
+                let fx = <$fixture>::new().await;
+                fx.exec(LEDGER_DDL).await;
+                let (orchestrator, store, stats) = start(&fx, 0.0, 0.0, 3).await;
+                let mut ids = Vec::new();
+                for n in 0..42 {
+                    ids.push(create(&store, n).await);
+                }
+                for _ in 0..5 {
+                    for id in &ids {
+                        orchestrator.send_message(OrchestratorMessage::Drive(id.clone())).unwrap();
+                    }
+                }
+                wait_idle(&orchestrator).await;
+                // fail_every = 5 makes some attempts fail after writing: count only the
+                // commands that went out more than their retries explain.
+                let sent = stats.deliveries.load(Ordering::SeqCst) - stats.retries.load(Ordering::SeqCst);
+                // 30 complete (3 commands), 6 are refused at the hotel (1), 6 at the flight
+                // (hotel, flight, cancel_hotel).
+                assert_eq!(sent, 30 * 3 + 6 + 6 * 3, "one driver per saga");
+                assert_eq!(stats.duplicates.load(Ordering::SeqCst), 0, "no second driver resent a command");
+                check(&fx, ids.len()).await;
+                orchestrator.stop(None);
+            }
+
             /// A process dies mid-flight (its runtime dropped: every task gone, every open
             /// transaction rolled back with its connection); a new one resumes.
             #[test]

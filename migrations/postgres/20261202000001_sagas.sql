@@ -10,7 +10,9 @@ CREATE TABLE saga_instances (
     data         jsonb       NOT NULL,
     created_at   timestamptz NOT NULL,
     updated_at   timestamptz NOT NULL,
-    last_error   text
+    last_error   text,
+    -- Bumped by every save; a save from a stale copy changes nothing (see SagaStore::save).
+    version      bigint      NOT NULL DEFAULT 0
 );
 CREATE INDEX saga_instances_unfinished ON saga_instances (created_at)
     WHERE status IN ('running', 'compensating');

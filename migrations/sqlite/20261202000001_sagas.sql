@@ -10,7 +10,9 @@ CREATE TABLE saga_instances (
     data         TEXT    NOT NULL,
     created_at   TEXT    NOT NULL,
     updated_at   TEXT    NOT NULL,
-    last_error   TEXT
+    last_error   TEXT,
+    -- Bumped by every save; a save from a stale copy changes nothing (see SagaStore::save).
+    version      INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX saga_instances_unfinished ON saga_instances (created_at)
     WHERE status IN ('running', 'compensating');

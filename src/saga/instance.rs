@@ -98,6 +98,8 @@ pub struct SagaInstance {
     pub updated_at: DateTime<Utc>,
     /// The last failure, for people.
     pub last_error: Option<String>,
+    /// How many saves this copy has seen; a save from an older copy is refused.
+    pub version: i64,
 }
 
 impl SagaInstance {
@@ -118,6 +120,7 @@ impl SagaInstance {
             created_at: now,
             updated_at: now,
             last_error: None,
+            version: 0,
         }
     }
 
@@ -164,9 +167,13 @@ pub trait SagaStore: Clone + Send + Sync + 'static {
         id: &str,
     ) -> impl Future<Output = Result<Option<SagaInstance>, sqlx::Error>> + Send;
 
-    /// Writes `instance`'s progress.
-    fn save(&self, instance: &SagaInstance)
-    -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    /// Writes `instance`'s progress if the stored row is still at `instance.version`
+    /// (and bumps both); returns `false`, writing nothing, when another driver saved
+    /// since this copy was loaded — reload it then.
+    fn save(
+        &self,
+        instance: &mut SagaInstance,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// The ids of every instance not yet completed or compensated, oldest first.
     fn unfinished(&self) -> impl Future<Output = Result<Vec<String>, sqlx::Error>> + Send;
@@ -176,9 +183,9 @@ const INSERT: &str = "INSERT INTO saga_instances \
     (id, saga_name, status, current_step, attempts, data, created_at, updated_at, last_error) \
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)";
 const SELECT: &str = "SELECT id, saga_name, status, current_step, attempts, data, created_at, \
-    updated_at, last_error FROM saga_instances WHERE id = $1";
+    updated_at, last_error, version FROM saga_instances WHERE id = $1";
 const UPDATE: &str = "UPDATE saga_instances SET status = $2, current_step = $3, attempts = $4, \
-    data = $5, updated_at = $6, last_error = $7 WHERE id = $1";
+    data = $5, updated_at = $6, last_error = $7, version = version + 1 WHERE id = $1 AND version = $8";
 const UNFINISHED: &str = "SELECT id FROM saga_instances \
     WHERE status IN ('running', 'compensating') ORDER BY created_at, id";
 
@@ -187,6 +194,7 @@ where
     for<'r> &'r str: sqlx::ColumnIndex<R>,
     for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> Json<Value>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> DateTime<Utc>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
@@ -204,6 +212,7 @@ where
         created_at: row.try_get("created_at")?,
         updated_at: row.try_get("updated_at")?,
         last_error: row.try_get("last_error")?,
+        version: row.try_get("version")?,
     })
 }
 
@@ -239,8 +248,8 @@ macro_rules! saga_store {
                 row.as_ref().map(from_row).transpose()
             }
 
-            async fn save(&self, instance: &SagaInstance) -> Result<(), sqlx::Error> {
-                sqlx::query(UPDATE)
+            async fn save(&self, instance: &mut SagaInstance) -> Result<bool, sqlx::Error> {
+                let saved = sqlx::query(UPDATE)
                     .bind(&instance.id)
                     .bind(instance.status.as_str())
                     .bind(instance.current_step)
@@ -248,9 +257,15 @@ macro_rules! saga_store {
                     .bind(Json(&instance.data))
                     .bind(instance.updated_at)
                     .bind(&instance.last_error)
+                    .bind(instance.version)
                     .execute(self.pool())
-                    .await?;
-                Ok(())
+                    .await?
+                    .rows_affected()
+                    == 1;
+                if saved {
+                    instance.version += 1;
+                }
+                Ok(saved)
             }
 
             async fn unfinished(&self) -> Result<Vec<String>, sqlx::Error> {
