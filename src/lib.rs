@@ -41,12 +41,16 @@
 //! - [`inbox`]: [`InboxGuard`] — claim, handler, record, commit; [`Outcome`], errors, config.
 //! - [`store`]: the SQL per database — [`PostgresStore`] (monthly partitions, global
 //!   uniqueness across them) and [`SqliteStore`] (monthly tables, the embedded default).
-//! - [`month`]: [`Month`], the partition unit.
-//! - [`pruner`]: [`Pruner`](pruner::Pruner), the actor that creates partitions ahead and drops expired ones.
-//! - [`clock`]: [`Clock`], injectable time.
-//! - [`metrics`]: the metric names the inbox emits.
-//! - [`database`]: opening a store from a URL, for the CLI and quick starts.
-//! - [`saga`]: saga definitions as data, loaded from TOML and validated.
+//! - [`step`]: a saga step as a [`StepHandler`](step::StepHandler) in a
+//!   [`StepPool`](step::StepPool) of competing workers behind the guard.
+//! - [`saga`]: saga definitions as data (TOML), saga instances and their store.
+//! - [`orchestrator`]: the [`Orchestrator`](orchestrator::Orchestrator) actor — persisted
+//!   state, stable command ids, free retries, compensation, resume.
+//! - [`pruner`]: the [`Pruner`](pruner::Pruner) actor — partitions ahead, expired ones dropped.
+//! - [`demo`]: the checkout saga behind `sagabox demo`.
+//! - [`month`]: [`Month`], the partition unit; [`clock`]: [`Clock`], injectable time.
+//! - [`metrics`]: the metric names emitted.
+//! - [`database`]: opening a store from a URL; [`redact`](database::redact) for logs.
 //!
 //! # Features
 //!

@@ -153,7 +153,7 @@ async fn main() -> ExitCode {
                 seed,
                 no_inbox,
                 resume,
-                progress: !json,
+                progress: true,
             };
             match sagabox::demo::run(&database_url, &config).await {
                 Ok(summary) if json => match serde_json::to_string(&summary) {
