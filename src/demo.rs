@@ -166,17 +166,30 @@ pub struct DemoSummary {
     pub double_emails: i64,
     /// Σ over skus of |on_hand − (initial − quantity of completed orders)| (SQL).
     pub stock_drift: i64,
+    /// Compensated orders whose charges and refunds do not net to zero (SQL).
+    pub unbalanced_refunds: i64,
     /// Wall time of the run.
     pub elapsed_ms: u64,
     /// Sagas finished per second in this run.
     pub sagas_per_sec: f64,
 }
 
+impl DemoSummary {
+    /// The sum of every damage figure: 0 when nothing was applied twice or left undone.
+    pub fn damage(&self) -> i64 {
+        self.double_charges
+            + self.double_refunds
+            + self.double_emails
+            + self.stock_drift
+            + self.unbalanced_refunds
+    }
+}
+
 impl fmt::Display for DemoSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let inbox = if self.no_inbox { "BYPASSED" } else { "on" };
         writeln!(f, "checkout demo on {} (inbox {inbox})", self.database)?;
-        let rows: [(&str, String); 14] = [
+        let rows: [(&str, String); 15] = [
             ("orders", self.orders.to_string()),
             ("completed", self.completed.to_string()),
             ("compensated", self.compensated.to_string()),
@@ -188,16 +201,15 @@ impl fmt::Display for DemoSummary {
             ("double refunds", self.double_refunds.to_string()),
             ("double emails", self.double_emails.to_string()),
             ("stock drift", self.stock_drift.to_string()),
+            ("unbalanced refunds", self.unbalanced_refunds.to_string()),
             ("elapsed", format!("{} ms", self.elapsed_ms)),
             ("sagas/s", format!("{:.0}", self.sagas_per_sec)),
             (
                 "verdict",
-                if self.double_charges + self.double_refunds + self.double_emails + self.stock_drift
-                    == 0
-                {
+                if self.damage() == 0 {
                     "nothing charged, decremented or sent twice".to_owned()
                 } else {
-                    "DAMAGE: side effects applied more than once".to_owned()
+                    "DAMAGE: side effects applied more than once or not undone".to_owned()
                 },
             ),
         ];
@@ -264,7 +276,7 @@ fn retryable(error: sqlx::Error) -> StepError {
 }
 
 macro_rules! checkout_handler {
-    ($db:ty) => {
+    ($db:ty, $lock_order:expr) => {
         impl StepHandler<$db> for Checkout {
             async fn handle(
                 &self,
@@ -282,6 +294,17 @@ macro_rules! checkout_handler {
                         .map_err(retryable)?;
                     Ok(n > 0)
                 };
+                // One order's commands run one at a time: a charge still running when the
+                // orchestrator gave up on it must not interleave with its refund (each
+                // would miss the other's uncommitted row). Different message ids, so the
+                // inbox's per-key lock does not do this.
+                if let Some(lock) = $lock_order {
+                    sqlx::query(lock)
+                        .bind(&order_id)
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(retryable)?;
+                }
                 let result = match envelope.kind.as_str() {
                     "charge" => {
                         if envelope.payload.get("decline").and_then(Value::as_bool) == Some(true) {
@@ -388,9 +411,13 @@ macro_rules! checkout_handler {
 }
 
 #[cfg(feature = "postgres")]
-checkout_handler!(sqlx::Postgres);
+checkout_handler!(
+    sqlx::Postgres,
+    Some("SELECT 1 FROM demo_orders WHERE id = $1 FOR UPDATE")
+);
+// SQLite: every claim holds the single write lock (BEGIN IMMEDIATE) until it commits.
 #[cfg(feature = "sqlite")]
-checkout_handler!(sqlx::Sqlite);
+checkout_handler!(sqlx::Sqlite, None::<&'static str>);
 
 const POSTGRES_TABLES: &str = "
 CREATE TABLE IF NOT EXISTS demo_orders (id TEXT PRIMARY KEY, saga_id TEXT NOT NULL, sku TEXT NOT NULL,
@@ -428,7 +455,13 @@ DELETE FROM inventory_moves; DELETE FROM emails_sent;
 DELETE FROM saga_instances WHERE saga_name = 'checkout';
 ";
 
-const SUMMARY_SQL: [(&str, &str); 8] = [
+const SUMMARY_SQL: [(&str, &str); 9] = [
+    (
+        "unbalanced_refunds",
+        "SELECT COUNT(*) FROM demo_orders o JOIN saga_instances s ON s.id = o.saga_id \
+        WHERE s.status = 'compensated' AND (SELECT COALESCE(SUM(CASE kind WHEN 'charge' THEN amount_cents ELSE -amount_cents END), 0) \
+        FROM payment_charges c WHERE c.order_id = o.id) <> 0",
+    ),
     ("orders", "SELECT COUNT(*) FROM demo_orders"),
     (
         "completed",
@@ -523,6 +556,7 @@ macro_rules! backend_run {
                 .map_err(|e| DemoError::Actor(e.to_string()))?;
                 dispatch = dispatch.with_pool(pool);
             }
+            let dispatch = Arc::new(dispatch);
             let stats = Arc::new(DriveStats::default());
             let (orchestrator, orchestrator_handle) = Actor::spawn(
                 None,
@@ -531,7 +565,7 @@ macro_rules! backend_run {
                     definition: Arc::clone(&definition),
                     store: store.clone(),
                     dispatch: Arc::new(Faults::new(
-                        dispatch,
+                        Arc::clone(&dispatch),
                         config.duplicate_rate,
                         config.lost_reply_rate,
                         config.seed,
@@ -554,7 +588,7 @@ macro_rules! backend_run {
             );
             let finished = if config.resume {
                 progress.set_message("resuming");
-                let unfinished = store.unfinished().await?.len();
+                let unfinished = store.unfinished(definition.name()).await?.len();
                 progress.set_length(unfinished as u64);
                 let resumed = ractor::call!(orchestrator, OrchestratorMessage::ResumeAll)
                     .map_err(|e| DemoError::Actor(e.to_string()))?
@@ -605,6 +639,10 @@ macro_rules! backend_run {
             let elapsed = started.elapsed();
             orchestrator.stop(None);
             let _ = orchestrator_handle.await;
+            // The orchestrator's state (and its handle on the pools) is gone with it.
+            if let Ok(dispatch) = Arc::try_unwrap(dispatch) {
+                dispatch.stop().await;
+            }
 
             let mut figures = std::collections::HashMap::new();
             for (name, sql) in SUMMARY_SQL {
@@ -626,6 +664,7 @@ macro_rules! backend_run {
                 double_refunds: figure("double_refunds"),
                 double_emails: figure("double_emails"),
                 stock_drift: figure("stock_drift"),
+                unbalanced_refunds: figure("unbalanced_refunds"),
                 elapsed_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
                 sagas_per_sec: finished as f64 / elapsed.as_secs_f64().max(1e-9),
             })

@@ -12,8 +12,13 @@
 //!
 //! One driver task per instance at a time: the actor keeps the set of instances in
 //! flight, so two `Drive` messages for one saga never run it twice at once.
-//! [`OrchestratorMessage::ResumeAll`] drives every unfinished instance — what a restarted
-//! process does first.
+//! [`OrchestratorMessage::ResumeAll`] drives every unfinished instance of its saga — what
+//! a restarted process does first.
+//!
+//! A driver gives up, leaving the saga unfinished with `last_error` set for an operator,
+//! only when going on cannot help: a compensation the step refuses or the inbox rejects
+//! (a saga older than the inbox TTL, a consumer type with no step), or a saga row that
+//! vanished. Stopping the actor aborts its drivers; their sagas resume from the database.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -148,6 +153,8 @@ pub struct OrchestratorState<St, D> {
     stats: Arc<DriveStats>,
     /// Instances being driven, with whoever waits for each to finish.
     in_flight: HashMap<String, Vec<RpcReplyPort<()>>>,
+    /// The driver tasks, aborted when the actor stops.
+    drivers: HashMap<String, tokio::task::AbortHandle>,
     idle_waiters: Vec<RpcReplyPort<()>>,
 }
 
@@ -189,11 +196,13 @@ impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
             stats: Arc::clone(&state.stats),
         };
         let myself = myself.clone();
-        tokio::spawn(async move {
+        let key = id.clone();
+        let task = tokio::spawn(async move {
             driver.drive(&id).await;
             // The actor may be stopping; then nobody is waiting for this.
             let _ = myself.send_message(OrchestratorMessage::Finished(id));
         });
+        state.drivers.insert(key, task.abort_handle());
     }
 }
 
@@ -213,8 +222,21 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
             dispatch: args.dispatch,
             stats: args.stats,
             in_flight: HashMap::new(),
+            drivers: HashMap::new(),
             idle_waiters: Vec::new(),
         })
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        // Drivers keep their progress in the database; a new orchestrator resumes them.
+        for (_, driver) in state.drivers.drain() {
+            driver.abort();
+        }
+        Ok(())
     }
 
     async fn handle(
@@ -227,7 +249,7 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
             OrchestratorMessage::Drive(id) => Self::start(&myself, state, id, None),
             OrchestratorMessage::Run(id, reply) => Self::start(&myself, state, id, Some(reply)),
             OrchestratorMessage::ResumeAll(reply) => {
-                let answer = match state.store.unfinished().await {
+                let answer = match state.store.unfinished(state.definition.name()).await {
                     Ok(ids) => {
                         let count = ids.len();
                         for id in ids {
@@ -247,6 +269,7 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
                 }
             }
             OrchestratorMessage::Finished(id) => {
+                state.drivers.remove(&id);
                 for waiter in state.in_flight.remove(&id).into_iter().flatten() {
                     let _ = waiter.send(());
                 }
@@ -280,6 +303,15 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
             tracing::warn!(saga_id = id, "no such saga instance; nothing to drive");
             return;
         };
+        if saga.saga_name != self.definition.name() {
+            tracing::warn!(
+                saga_id = id,
+                saga = %saga.saga_name,
+                driver = self.definition.name(),
+                "saga instance belongs to another definition; not driving it"
+            );
+            return;
+        }
         let steps = self.definition.steps();
         while !saga.status.is_terminal() {
             let index = usize::try_from(saga.current_step).ok();
@@ -289,7 +321,9 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                 }
                 (SagaStatus::Running, _) => {
                     saga.status = SagaStatus::Completed;
-                    self.save(&mut saga).await;
+                    if !self.save(&mut saga).await {
+                        return;
+                    }
                     break;
                 }
                 (SagaStatus::Compensating, Some(i)) if i < steps.len() => {
@@ -297,7 +331,9 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                 }
                 _ => {
                     saga.status = SagaStatus::Compensated;
-                    self.save(&mut saga).await;
+                    if !self.save(&mut saga).await {
+                        return;
+                    }
                     break;
                 }
             };
@@ -310,7 +346,9 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                         // Nothing to undo for this step.
                         saga.current_step -= 1;
                         saga.attempts = 0;
-                        self.save(&mut saga).await;
+                        if !self.save(&mut saga).await {
+                            return;
+                        }
                         continue;
                     }
                 },
@@ -345,15 +383,24 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                             saga.current_step -= 1;
                             saga.last_error = Some(format!("{} refused: {reason}", step.name()));
                         }
-                        (Direction::Backward, outcome) => {
-                            if let StepOutcome::Refused(reason) = outcome {
-                                tracing::warn!(saga_id = %saga.id, step = step.name(), %reason, "compensation refused; counted as undone");
-                            }
+                        (Direction::Backward, StepOutcome::Refused(reason)) => {
+                            // Not undone: leave the saga for an operator rather than
+                            // call it compensated.
+                            saga.last_error =
+                                Some(format!("undo {} refused: {reason}", step.name()));
+                            tracing::error!(saga_id = %saga.id, step = step.name(), %reason, "compensation refused; saga left unfinished");
+                            saga.attempts = 0;
+                            self.save(&mut saga).await;
+                            return;
+                        }
+                        (Direction::Backward, StepOutcome::Done(_)) => {
                             saga.current_step -= 1;
                         }
                     }
                     saga.attempts = 0;
-                    self.save(&mut saga).await;
+                    if !self.save(&mut saga).await {
+                        return;
+                    }
                 }
                 (Direction::Forward, Err(failure)) => {
                     let attempts = u32::try_from(saga.attempts).unwrap_or(u32::MAX);
@@ -364,17 +411,31 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                         // is compensated too (compensations are idempotent per message id).
                         saga.status = SagaStatus::Compensating;
                         saga.attempts = 0;
-                        self.save(&mut saga).await;
+                        if !self.save(&mut saga).await {
+                            return;
+                        }
                     } else {
-                        self.save(&mut saga).await;
+                        if !self.save(&mut saga).await {
+                            return;
+                        }
                         tokio::time::sleep(step.retry().delay(attempts, &mut rng)).await;
                     }
+                }
+                (Direction::Backward, Err(StepFailure::Rejected(reason))) => {
+                    // Retrying cannot help (expired, no such step): stop, leave it for an
+                    // operator, visible as unfinished with its error.
+                    saga.last_error = Some(format!("undo {}: {reason}", step.name()));
+                    tracing::error!(saga_id = %saga.id, step = step.name(), %reason, "compensation rejected; saga left unfinished");
+                    self.save(&mut saga).await;
+                    return;
                 }
                 (Direction::Backward, Err(failure)) => {
                     // Compensations run until they succeed.
                     let attempts = u32::try_from(saga.attempts).unwrap_or(u32::MAX);
                     saga.last_error = Some(format!("undo {}: {failure}", step.name()));
-                    self.save(&mut saga).await;
+                    if !self.save(&mut saga).await {
+                        return;
+                    }
                     tokio::time::sleep(step.retry().delay(attempts, &mut rng)).await;
                 }
             }
@@ -397,17 +458,24 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
     /// not go out before the state that led to it is stored. If another driver (a second
     /// process, or a stale one) saved in between, nothing is written and `saga` is
     /// reloaded: the driver goes on from the stored state, never from its stale copy.
-    async fn save(&self, saga: &mut SagaInstance) {
+    /// Returns `false` when the row is gone: the driver must stop.
+    async fn save(&self, saga: &mut SagaInstance) -> bool {
         saga.updated_at = Utc::now();
         loop {
             match self.store.save(saga).await {
-                Ok(true) => return,
+                Ok(true) => return true,
                 Ok(false) => {
                     tracing::info!(saga_id = %saga.id, "saga changed under this driver; reloading");
-                    if let Some(stored) = self.load(&saga.id).await {
-                        *saga = stored;
-                    }
-                    return;
+                    return match self.load(&saga.id).await {
+                        Some(stored) => {
+                            *saga = stored;
+                            true
+                        }
+                        None => {
+                            tracing::warn!(saga_id = %saga.id, "saga row is gone; driver stops");
+                            false
+                        }
+                    };
                 }
                 Err(error) => {
                     tracing::warn!(saga_id = %saga.id, %error, "cannot save saga; retrying");

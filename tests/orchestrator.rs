@@ -239,6 +239,50 @@ macro_rules! orchestrator_suite {
                 assert_eq!((stored.current_step, stored.version), (2, 1));
             }
 
+            /// ResumeAll drives only sagas of the orchestrator's own definition.
+            #[tokio::test]
+            async fn resume_leaves_other_sagas_alone() {
+                let fx = <$fixture>::new().await;
+                fx.exec(LEDGER_DDL).await;
+                let (orchestrator, store, _) = start(&fx, 0.0, 0.0, 5).await;
+                let other = SagaInstance::new("other-1", "shipping", json!({}), Utc::now());
+                let mut conn = store.pool().acquire().await.unwrap();
+                <$store as SagaStore>::insert(&mut conn, &other).await.unwrap();
+                drop(conn);
+                let mine = create(&store, 1).await;
+                let resumed = ractor::call_t!(orchestrator, OrchestratorMessage::ResumeAll, 30_000).unwrap().unwrap();
+                assert_eq!(resumed, 1);
+                wait_idle(&orchestrator).await;
+                let untouched = store.load("other-1").await.unwrap().unwrap();
+                assert_eq!((untouched.status.as_str(), untouched.version), ("running", 0));
+                // Driving it by id is refused too.
+                ractor::call_t!(orchestrator, OrchestratorMessage::Run, 30_000, "other-1".to_owned()).unwrap();
+                assert_eq!(store.load("other-1").await.unwrap().unwrap().version, 0);
+                assert_eq!(store.load(&mine).await.unwrap().unwrap().status.as_str(), "completed");
+                orchestrator.stop(None);
+            }
+
+            /// A saga older than the inbox TTL: its commands are refused as expired, its
+            /// compensation too. The driver must stop and say why, not retry forever.
+            #[tokio::test]
+            async fn a_rejected_compensation_stops_the_driver_with_the_reason() {
+                let fx = <$fixture>::new().await;
+                fx.exec(LEDGER_DDL).await;
+                let (orchestrator, store, _) = start(&fx, 0.0, 0.0, 6).await;
+                let old = SagaInstance::new("old-1", "trip", plan(1), Utc::now() - chrono::TimeDelta::days(60));
+                let mut conn = store.pool().acquire().await.unwrap();
+                <$store as SagaStore>::insert(&mut conn, &old).await.unwrap();
+                drop(conn);
+                ractor::call_t!(orchestrator, OrchestratorMessage::Run, 30_000, "old-1".to_owned())
+                    .expect("the driver ends instead of looping");
+                let stuck = store.load("old-1").await.unwrap().unwrap();
+                assert_eq!(stuck.status.as_str(), "compensating");
+                let error = stuck.last_error.unwrap_or_default();
+                assert!(error.contains("deduplication window"), "{error}");
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM ledger").await, 0);
+                orchestrator.stop(None);
+            }
+
             /// Many `Drive` messages for the same sagas at once: still one driver per saga,
             /// so each step is sent exactly once when nothing fails.
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

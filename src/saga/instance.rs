@@ -175,8 +175,12 @@ pub trait SagaStore: Clone + Send + Sync + 'static {
         instance: &mut SagaInstance,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
-    /// The ids of every instance not yet completed or compensated, oldest first.
-    fn unfinished(&self) -> impl Future<Output = Result<Vec<String>, sqlx::Error>> + Send;
+    /// The ids of every instance of `saga_name` not yet completed or compensated,
+    /// oldest first.
+    fn unfinished(
+        &self,
+        saga_name: &str,
+    ) -> impl Future<Output = Result<Vec<String>, sqlx::Error>> + Send;
 }
 
 const INSERT: &str = "INSERT INTO saga_instances \
@@ -187,7 +191,7 @@ const SELECT: &str = "SELECT id, saga_name, status, current_step, attempts, data
 const UPDATE: &str = "UPDATE saga_instances SET status = $2, current_step = $3, attempts = $4, \
     data = $5, updated_at = $6, last_error = $7, version = version + 1 WHERE id = $1 AND version = $8";
 const UNFINISHED: &str = "SELECT id FROM saga_instances \
-    WHERE status IN ('running', 'compensating') ORDER BY created_at, id";
+    WHERE saga_name = $1 AND status IN ('running', 'compensating') ORDER BY created_at, id";
 
 fn from_row<R: Row>(row: &R) -> Result<SagaInstance, sqlx::Error>
 where
@@ -268,8 +272,11 @@ macro_rules! saga_store {
                 Ok(saved)
             }
 
-            async fn unfinished(&self) -> Result<Vec<String>, sqlx::Error> {
-                sqlx::query_scalar(UNFINISHED).fetch_all(self.pool()).await
+            async fn unfinished(&self, saga_name: &str) -> Result<Vec<String>, sqlx::Error> {
+                sqlx::query_scalar(UNFINISHED)
+                    .bind(saga_name)
+                    .fetch_all(self.pool())
+                    .await
             }
         }
     };
