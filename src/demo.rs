@@ -244,11 +244,26 @@ impl HandlerFaults {
     }
 }
 
-/// The three participants' logic, one handler for every step (it dispatches on the
-/// message kind).
+/// The three participants' logic — payment (`charge`, `refund`), inventory
+/// (`decrement_stock`, `restock`), email (`send_confirmation`) — as one [`StepHandler`]
+/// that dispatches on the message kind. The payload is the order (`order_id`, `sku`,
+/// `quantity`, `amount_cents`, `decline`); the tables are [`POSTGRES_TABLES`] /
+/// [`SQLITE_TABLES`].
 #[derive(Debug, Clone)]
-struct Checkout {
+pub struct Checkout {
     faults: Arc<HandlerFaults>,
+}
+
+impl Checkout {
+    /// The handler; `fail_rate` of its runs fail after writing, before commit (seeded).
+    pub fn new(fail_rate: f64, seed: u64) -> Self {
+        Self {
+            faults: Arc::new(HandlerFaults {
+                fail_rate: fail_rate.clamp(0.0, 1.0),
+                rng: Mutex::new(StdRng::seed_from_u64(seed)),
+            }),
+        }
+    }
 }
 
 fn order_field<'a>(envelope: &'a crate::Envelope, name: &str) -> Result<&'a Value, StepError> {
@@ -419,7 +434,8 @@ checkout_handler!(
 #[cfg(feature = "sqlite")]
 checkout_handler!(sqlx::Sqlite, None::<&'static str>);
 
-const POSTGRES_TABLES: &str = "
+/// The demo's business tables on PostgreSQL (`CREATE TABLE IF NOT EXISTS`).
+pub const POSTGRES_TABLES: &str = "
 CREATE TABLE IF NOT EXISTS demo_orders (id TEXT PRIMARY KEY, saga_id TEXT NOT NULL, sku TEXT NOT NULL,
     quantity BIGINT NOT NULL, amount_cents BIGINT NOT NULL);
 CREATE TABLE IF NOT EXISTS payment_charges (id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -434,7 +450,8 @@ CREATE TABLE IF NOT EXISTS emails_sent (id BIGINT GENERATED ALWAYS AS IDENTITY P
 CREATE INDEX IF NOT EXISTS emails_sent_order ON emails_sent (order_id);
 ";
 
-const SQLITE_TABLES: &str = "
+/// The demo's business tables on SQLite (`CREATE TABLE IF NOT EXISTS`).
+pub const SQLITE_TABLES: &str = "
 CREATE TABLE IF NOT EXISTS demo_orders (id TEXT PRIMARY KEY, saga_id TEXT NOT NULL, sku TEXT NOT NULL,
     quantity BIGINT NOT NULL, amount_cents BIGINT NOT NULL);
 CREATE TABLE IF NOT EXISTS payment_charges (id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -538,12 +555,7 @@ macro_rules! backend_run {
                 }
             }
 
-            let handler = Checkout {
-                faults: Arc::new(HandlerFaults {
-                    fail_rate: config.fail_rate,
-                    rng: Mutex::new(StdRng::seed_from_u64(config.seed ^ 0x5eed)),
-                }),
-            };
+            let handler = Checkout::new(config.fail_rate, config.seed ^ 0x5eed);
             let mut dispatch = InProcess::new();
             for step in definition.steps() {
                 let pool = StepPool::spawn(
