@@ -119,6 +119,30 @@ enum Command {
     },
 }
 
+/// Prints `result`: a table, or one JSON object with `json`; an error on stderr.
+fn report<T, E>(command: &str, result: Result<T, E>, json: bool) -> ExitCode
+where
+    T: serde::Serialize + std::fmt::Display,
+    E: std::fmt::Display,
+{
+    let printed = result.map_err(|e| e.to_string()).and_then(|value| {
+        if json {
+            let text = serde_json::to_string(&value).map_err(|e| e.to_string())?;
+            println!("{text}");
+        } else {
+            print!("{value}");
+        }
+        Ok(())
+    });
+    match printed {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("sagabox {command}: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -155,26 +179,11 @@ async fn main() -> ExitCode {
                 resume,
                 progress: true,
             };
-            match sagabox::demo::run(&database_url, &config).await {
-                Ok(summary) if json => match serde_json::to_string(&summary) {
-                    Ok(text) => {
-                        println!("{text}");
-                        ExitCode::SUCCESS
-                    }
-                    Err(error) => {
-                        eprintln!("sagabox demo: {error}");
-                        ExitCode::FAILURE
-                    }
-                },
-                Ok(summary) => {
-                    print!("{summary}");
-                    ExitCode::SUCCESS
-                }
-                Err(error) => {
-                    eprintln!("sagabox demo: {error}");
-                    ExitCode::FAILURE
-                }
-            }
+            report(
+                "demo",
+                sagabox::demo::run(&database_url, &config).await,
+                json,
+            )
         }
         Command::Prune {
             database_url,
@@ -243,26 +252,7 @@ async fn main() -> ExitCode {
                 modes,
                 timeless,
             };
-            match bench::run(args).await {
-                Ok(report) if json => match serde_json::to_string(&report) {
-                    Ok(text) => {
-                        println!("{text}");
-                        ExitCode::SUCCESS
-                    }
-                    Err(error) => {
-                        eprintln!("sagabox bench: {error}");
-                        ExitCode::FAILURE
-                    }
-                },
-                Ok(report) => {
-                    print!("{report}");
-                    ExitCode::SUCCESS
-                }
-                Err(error) => {
-                    eprintln!("sagabox bench: {error}");
-                    ExitCode::FAILURE
-                }
-            }
+            report("bench", bench::run(args).await, json)
         }
         Command::Migrate {
             database_url,
