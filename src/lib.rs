@@ -46,6 +46,7 @@
 //! - [`saga`]: saga definitions as data (TOML), saga instances and their store.
 //! - [`orchestrator`]: the [`Orchestrator`](orchestrator::Orchestrator) actor — persisted
 //!   state, stable command ids, free retries, compensation, resume.
+//! - [`outbox`]: the transactional outbox, write side ([`OutboxWriter`](outbox::OutboxWriter)).
 //! - [`pruner`]: the [`Pruner`](pruner::Pruner) actor — partitions ahead, expired ones dropped.
 //! - [`demo`]: the checkout saga behind `sagabox demo`.
 //! - [`month`]: [`Month`], the partition unit; [`clock`]: [`Clock`], injectable time.
@@ -67,6 +68,7 @@ pub mod inbox;
 pub mod metrics;
 pub mod month;
 pub mod orchestrator;
+pub mod outbox;
 pub mod pruner;
 pub mod saga;
 pub mod step;

@@ -1,0 +1,153 @@
+//! The transactional outbox, write side: a message written with
+//! [`OutboxWriter::publish`] inside the guard's (or any) transaction commits with the
+//! change that causes it, or not at all. A relay (issue 4) publishes pending rows at
+//! least once, in `seq` order per aggregate, and marks them sent; the consumer's inbox
+//! absorbs a second publish, since the row's UUIDv7 is the message id downstream.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::Row;
+use sqlx::types::Json;
+
+use crate::envelope::{ConsumerType, Envelope, KeyError, MessageId};
+
+/// One row of the outbox, as the relay reads it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutboxRow {
+    /// Publish order.
+    pub seq: i64,
+    /// The ordering key: rows of one aggregate are published in `seq` order.
+    pub aggregate: String,
+    /// Who the message is for (its queue is `sagabox.<destination>`).
+    pub destination: ConsumerType,
+    /// The message, with its id.
+    pub envelope: Envelope,
+}
+
+/// Writing to the outbox with a connection inside the caller's transaction.
+pub trait OutboxWriter {
+    /// Writes `envelope` for `destination`, ordered within `aggregate`. Its id must be
+    /// unique (use [`OutboxWriter::message`]); a second row with the same id fails.
+    fn publish(
+        &mut self,
+        destination: &ConsumerType,
+        aggregate: &str,
+        envelope: &Envelope,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// A new message for the outbox: a fresh UUIDv7 id and the current time as its
+    /// publish time.
+    fn message(kind: &str, payload: Value) -> Result<Envelope, KeyError>
+    where
+        Self: Sized,
+    {
+        Ok(Envelope::new(MessageId::new_v7(), kind, payload)?.with_published_at(Utc::now()))
+    }
+}
+
+/// Reading and settling the outbox, for the relay.
+pub trait OutboxReader {
+    /// Up to `limit` rows not yet sent, oldest first.
+    fn pending(
+        &mut self,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<OutboxRow>, sqlx::Error>> + Send;
+
+    /// Marks the row `seq` sent at `now`. Returns whether it was pending.
+    fn mark_sent(
+        &mut self,
+        seq: i64,
+        now: DateTime<Utc>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+}
+
+const INSERT: &str = "INSERT INTO sagabox_outbox \
+    (id, aggregate, destination, kind, saga_id, payload, headers, created_at) \
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8)";
+const PENDING: &str = "SELECT seq, id, aggregate, destination, kind, saga_id, payload, headers, created_at \
+    FROM sagabox_outbox WHERE sent_at IS NULL ORDER BY seq LIMIT $1";
+const MARK_SENT: &str = "UPDATE sagabox_outbox SET sent_at = $2 WHERE seq = $1 AND sent_at IS NULL";
+
+fn decode_error(error: KeyError) -> sqlx::Error {
+    sqlx::Error::Decode(Box::new(error))
+}
+
+macro_rules! outbox_impls {
+    ($conn:ty) => {
+        impl OutboxWriter for $conn {
+            async fn publish(
+                &mut self,
+                destination: &ConsumerType,
+                aggregate: &str,
+                envelope: &Envelope,
+            ) -> Result<(), sqlx::Error> {
+                sqlx::query(INSERT)
+                    .bind(envelope.id.as_str())
+                    .bind(aggregate)
+                    .bind(destination.as_str())
+                    .bind(envelope.kind.as_str())
+                    .bind(envelope.saga_id.as_deref())
+                    .bind(Json(&envelope.payload))
+                    .bind(Json(&envelope.headers))
+                    .bind(envelope.published_at.unwrap_or_else(Utc::now))
+                    .execute(&mut *self)
+                    .await?;
+                Ok(())
+            }
+        }
+
+        impl OutboxReader for $conn {
+            async fn pending(&mut self, limit: i64) -> Result<Vec<OutboxRow>, sqlx::Error> {
+                let rows = sqlx::query(PENDING)
+                    .bind(limit)
+                    .fetch_all(&mut *self)
+                    .await?;
+                rows.iter()
+                    .map(|row| {
+                        let id: String = row.try_get("id")?;
+                        let kind: String = row.try_get("kind")?;
+                        let destination: String = row.try_get("destination")?;
+                        let payload: Json<Value> = row.try_get("payload")?;
+                        let headers: Json<BTreeMap<String, String>> = row.try_get("headers")?;
+                        let mut envelope = Envelope::new(
+                            MessageId::new(id).map_err(decode_error)?,
+                            kind,
+                            payload.0,
+                        )
+                        .map_err(decode_error)?
+                        .with_published_at(row.try_get("created_at")?);
+                        envelope.saga_id = row.try_get("saga_id")?;
+                        envelope.headers = headers.0;
+                        Ok(OutboxRow {
+                            seq: row.try_get("seq")?,
+                            aggregate: row.try_get("aggregate")?,
+                            destination: ConsumerType::new(destination).map_err(decode_error)?,
+                            envelope,
+                        })
+                    })
+                    .collect()
+            }
+
+            async fn mark_sent(
+                &mut self,
+                seq: i64,
+                now: DateTime<Utc>,
+            ) -> Result<bool, sqlx::Error> {
+                let done = sqlx::query(MARK_SENT)
+                    .bind(seq)
+                    .bind(now)
+                    .execute(&mut *self)
+                    .await?;
+                Ok(done.rows_affected() == 1)
+            }
+        }
+    };
+}
+
+#[cfg(feature = "postgres")]
+outbox_impls!(sqlx::PgConnection);
+#[cfg(feature = "sqlite")]
+outbox_impls!(sqlx::SqliteConnection);
