@@ -192,6 +192,24 @@ macro_rules! backend_runner {
             Vec<(Mode, Vec<Duration>, usize, Duration)>,
             Box<dyn std::error::Error + Send + Sync>,
         > {
+            /// The business statements every mode runs, in the caller's transaction.
+            async fn business(
+                conn: &mut <$db as sqlx::Database>::Connection,
+                envelope: &Envelope,
+                account: i64,
+            ) -> Result<(), sqlx::Error> {
+                sqlx::query(BUSINESS_UPDATE)
+                    .bind(account)
+                    .execute(&mut *conn)
+                    .await?;
+                sqlx::query(OUTBOX_INSERT)
+                    .bind(envelope.id.as_str())
+                    .bind(envelope.payload.to_string())
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(())
+            }
+
             let guard = InboxGuard::new(store, InboxConfig::default())?;
             guard.migrate().await?;
             let mut rng = StdRng::seed_from_u64(args.seed);
@@ -233,15 +251,7 @@ macro_rules! backend_runner {
                                         .rows_affected()
                                         == 1;
                                     if fresh && !claim_only {
-                                        sqlx::query(BUSINESS_UPDATE)
-                                            .bind(account)
-                                            .execute(&mut *tx)
-                                            .await?;
-                                        sqlx::query(OUTBOX_INSERT)
-                                            .bind(envelope.id.as_str())
-                                            .bind(envelope.payload.to_string())
-                                            .execute(&mut *tx)
-                                            .await?;
+                                        business(&mut tx, envelope, account).await?;
                                     }
                                     tx.commit().await?;
                                     fresh
@@ -249,15 +259,7 @@ macro_rules! backend_runner {
                                 Mode::NoInbox => {
                                     let mut tx = pool.begin().await?;
                                     if !claim_only {
-                                        sqlx::query(BUSINESS_UPDATE)
-                                            .bind(account)
-                                            .execute(&mut *tx)
-                                            .await?;
-                                        sqlx::query(OUTBOX_INSERT)
-                                            .bind(envelope.id.as_str())
-                                            .bind(envelope.payload.to_string())
-                                            .execute(&mut *tx)
-                                            .await?;
+                                        business(&mut tx, envelope, account).await?;
                                     }
                                     tx.commit().await?;
                                     true
@@ -266,15 +268,7 @@ macro_rules! backend_runner {
                                     let outcome = guard
                                         .process(&consumer, envelope, async |conn, envelope| {
                                             if !claim_only {
-                                                sqlx::query(BUSINESS_UPDATE)
-                                                    .bind(account)
-                                                    .execute(&mut *conn)
-                                                    .await?;
-                                                sqlx::query(OUTBOX_INSERT)
-                                                    .bind(envelope.id.as_str())
-                                                    .bind(envelope.payload.to_string())
-                                                    .execute(&mut *conn)
-                                                    .await?;
+                                                business(conn, envelope, account).await?;
                                             }
                                             Ok::<_, sqlx::Error>(serde_json::Value::Null)
                                         })
