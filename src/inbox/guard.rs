@@ -227,9 +227,12 @@ impl<S: InboxStore> InboxGuard<S> {
         now: DateTime<Utc>,
     ) -> Result<ClaimKey<'a>, InboxError> {
         let message_id = &envelope.id;
-        let stable_time = message_id.uuid_v7_time().is_some()
+        // The same rule as `Envelope::dedup_time`, with the id parsed once: this runs
+        // for every message.
+        let id_time = message_id.uuid_v7_time();
+        let stable_time = id_time.is_some()
             || (self.config.trust_publish_time && envelope.published_at.is_some());
-        let Some(filed_at) = envelope.dedup_time() else {
+        let Some(filed_at) = id_time.or(envelope.published_at) else {
             return Ok(ClaimKey {
                 consumer_type,
                 message_id,
