@@ -164,6 +164,29 @@ impl MessageId {
         Self(Uuid::now_v7().to_string())
     }
 
+    /// A UUIDv7 id whose time is `at` and whose other bits are a hash of `name`: the same
+    /// `(at, name)` always gives the same id, so every retry or redelivery of a derived
+    /// message is the same message to the inbox, and its time places it in `at`'s month.
+    pub fn derive_v7(at: DateTime<Utc>, name: &str) -> Self {
+        let mut bytes = *Uuid::new_v5(&Uuid::NAMESPACE_OID, name.as_bytes()).as_bytes();
+        let millis = u64::try_from(at.timestamp_millis()).unwrap_or(0);
+        bytes[..6].copy_from_slice(&millis.to_be_bytes()[2..]);
+        bytes[6] = (bytes[6] & 0x0f) | 0x70;
+        bytes[8] = (bytes[8] & 0x3f) | 0x80;
+        Self(Uuid::from_bytes(bytes).to_string())
+    }
+
+    /// The id of a message derived from this one (a reply, say) under `label`: stable,
+    /// distinct per label, and a UUIDv7 at this id's time when this id has one (else a
+    /// UUIDv5, which the inbox places by its slower, time-less path).
+    pub fn derived(&self, label: &str) -> Self {
+        let name = format!("{}\u{1f}{label}", self.0);
+        match self.uuid_v7_time() {
+            Some(at) => Self::derive_v7(at, &name),
+            None => Self(Uuid::new_v5(&Uuid::NAMESPACE_OID, name.as_bytes()).to_string()),
+        }
+    }
+
     /// The creation time inside the id when it is a UUIDv7, else `None`.
     pub fn uuid_v7_time(&self) -> Option<DateTime<Utc>> {
         let uuid = Uuid::parse_str(&self.0).ok()?;

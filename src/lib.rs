@@ -60,6 +60,8 @@
 //! | `postgres` | yes | [`PostgresStore`] |
 //! | `sqlite` | yes | [`SqliteStore`] |
 
+#[cfg(feature = "rabbitmq")]
+pub mod amqp;
 pub mod clock;
 pub mod database;
 pub mod demo;

@@ -60,3 +60,30 @@ pub(crate) fn pruner_pass(pass: &crate::pruner::PrunePass, now: chrono::DateTime
 pub(crate) fn pruner_failure() {
     metrics::counter!(PRUNER_FAILURES_TOTAL).increment(1);
 }
+
+/// Messages dead-lettered by a RabbitMQ consumer, by consumer type and reason.
+pub const DEAD_LETTERS_TOTAL: &str = "sagabox_dead_letters_total";
+/// Outbox rows published by a relay (confirmed by the broker), by destination.
+pub const OUTBOX_PUBLISHED_TOTAL: &str = "sagabox_outbox_published_total";
+/// Seconds from an outbox row's creation to the broker's confirm.
+pub const OUTBOX_LAG_SECONDS: &str = "sagabox_outbox_lag_seconds";
+
+#[cfg(feature = "rabbitmq")]
+pub(crate) fn dead_letter(consumer_type: &ConsumerType, reason: &'static str) {
+    metrics::counter!(
+        DEAD_LETTERS_TOTAL,
+        "consumer_type" => consumer_type.as_str().to_owned(),
+        "reason" => reason
+    )
+    .increment(1);
+}
+
+#[cfg(feature = "rabbitmq")]
+pub(crate) fn outbox_published(destination: &ConsumerType, lag: Duration) {
+    metrics::counter!(
+        OUTBOX_PUBLISHED_TOTAL,
+        "destination" => destination.as_str().to_owned()
+    )
+    .increment(1);
+    metrics::histogram!(OUTBOX_LAG_SECONDS).record(lag.as_secs_f64());
+}

@@ -56,12 +56,39 @@ pub trait OutboxReader {
         limit: i64,
     ) -> impl Future<Output = Result<Vec<OutboxRow>, sqlx::Error>> + Send;
 
+    /// Up to `limit` pending rows for a relay to publish, oldest first, taken for this
+    /// transaction. On PostgreSQL each row's aggregate is locked for the transaction
+    /// (`pg_try_advisory_xact_lock`) and the rows `FOR UPDATE SKIP LOCKED`: another
+    /// relay skips every aggregate this one holds, so rows of one aggregate are never
+    /// published by two relays at once, nor out of order. On SQLite (one writer) it is
+    /// [`OutboxReader::pending`]. Call inside a transaction and mark before commit.
+    fn claim(
+        &mut self,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<OutboxRow>, sqlx::Error>> + Send;
+
+    /// Deletes rows sent before `before`; returns how many. The relay calls it on a
+    /// timer: a sent row is only kept for an operator's eyes.
+    fn prune_sent(
+        &mut self,
+        before: DateTime<Utc>,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
     /// Marks the row `seq` sent at `now`. Returns whether it was pending.
     fn mark_sent(
         &mut self,
         seq: i64,
         now: DateTime<Utc>,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+}
+
+/// Reads rows with one of the queries above.
+trait RowsOf {
+    fn rows(
+        &mut self,
+        sql: &'static str,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<OutboxRow>, sqlx::Error>> + Send;
 }
 
 const INSERT: &str = "INSERT INTO sagabox_outbox \
@@ -71,12 +98,21 @@ const PENDING: &str = "SELECT seq, id, aggregate, destination, kind, saga_id, pa
     FROM sagabox_outbox WHERE sent_at IS NULL ORDER BY seq LIMIT $1";
 const MARK_SENT: &str = "UPDATE sagabox_outbox SET sent_at = $2 WHERE seq = $1 AND sent_at IS NULL";
 
+/// The relay's claim on PostgreSQL: see [`OutboxReader::claim`]. The advisory lock's
+/// class (first key) keeps it apart from the inbox's claim locks.
+#[cfg(feature = "postgres")]
+const CLAIM_POSTGRES: &str = "SELECT seq, id, aggregate, destination, kind, saga_id, payload, headers, created_at \
+    FROM sagabox_outbox \
+    WHERE sent_at IS NULL AND pg_try_advisory_xact_lock(1398892386, hashtext(aggregate)) \
+    ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED";
+const PRUNE_SENT: &str = "DELETE FROM sagabox_outbox WHERE sent_at IS NOT NULL AND sent_at < $1";
+
 fn decode_error(error: KeyError) -> sqlx::Error {
     sqlx::Error::Decode(Box::new(error))
 }
 
 macro_rules! outbox_impls {
-    ($conn:ty) => {
+    ($conn:ty, $claim:expr) => {
         impl OutboxWriter for $conn {
             async fn publish(
                 &mut self,
@@ -101,10 +137,42 @@ macro_rules! outbox_impls {
 
         impl OutboxReader for $conn {
             async fn pending(&mut self, limit: i64) -> Result<Vec<OutboxRow>, sqlx::Error> {
-                let rows = sqlx::query(PENDING)
-                    .bind(limit)
-                    .fetch_all(&mut *self)
+                self.rows(PENDING, limit).await
+            }
+
+            async fn claim(&mut self, limit: i64) -> Result<Vec<OutboxRow>, sqlx::Error> {
+                self.rows($claim, limit).await
+            }
+
+            async fn prune_sent(&mut self, before: DateTime<Utc>) -> Result<u64, sqlx::Error> {
+                let done = sqlx::query(PRUNE_SENT)
+                    .bind(before)
+                    .execute(&mut *self)
                     .await?;
+                Ok(done.rows_affected())
+            }
+
+            async fn mark_sent(
+                &mut self,
+                seq: i64,
+                now: DateTime<Utc>,
+            ) -> Result<bool, sqlx::Error> {
+                let done = sqlx::query(MARK_SENT)
+                    .bind(seq)
+                    .bind(now)
+                    .execute(&mut *self)
+                    .await?;
+                Ok(done.rows_affected() == 1)
+            }
+        }
+
+        impl RowsOf for $conn {
+            async fn rows(
+                &mut self,
+                sql: &'static str,
+                limit: i64,
+            ) -> Result<Vec<OutboxRow>, sqlx::Error> {
+                let rows = sqlx::query(sql).bind(limit).fetch_all(&mut *self).await?;
                 rows.iter()
                     .map(|row| {
                         let id: String = row.try_get("id")?;
@@ -130,24 +198,11 @@ macro_rules! outbox_impls {
                     })
                     .collect()
             }
-
-            async fn mark_sent(
-                &mut self,
-                seq: i64,
-                now: DateTime<Utc>,
-            ) -> Result<bool, sqlx::Error> {
-                let done = sqlx::query(MARK_SENT)
-                    .bind(seq)
-                    .bind(now)
-                    .execute(&mut *self)
-                    .await?;
-                Ok(done.rows_affected() == 1)
-            }
         }
     };
 }
 
 #[cfg(feature = "postgres")]
-outbox_impls!(sqlx::PgConnection);
+outbox_impls!(sqlx::PgConnection, CLAIM_POSTGRES);
 #[cfg(feature = "sqlite")]
-outbox_impls!(sqlx::SqliteConnection);
+outbox_impls!(sqlx::SqliteConnection, PENDING);

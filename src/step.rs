@@ -65,14 +65,14 @@ pub enum StepOutcome {
 }
 
 impl StepOutcome {
-    fn to_record(&self) -> Value {
+    pub(crate) fn to_record(&self) -> Value {
         match self {
             StepOutcome::Done(value) => json!({ "done": value }),
             StepOutcome::Refused(reason) => json!({ "refused": reason }),
         }
     }
 
-    fn from_record(record: &Value) -> Self {
+    pub(crate) fn from_record(record: &Value) -> Self {
         match (record.get("done"), record.get("refused")) {
             (Some(done), _) => StepOutcome::Done(done.clone()),
             (None, Some(reason)) => {

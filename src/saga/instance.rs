@@ -9,7 +9,6 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::types::Json;
 use sqlx::{Database, Row};
-use uuid::Uuid;
 
 use crate::envelope::MessageId;
 
@@ -136,16 +135,7 @@ impl SagaInstance {
             Direction::Backward => "undo",
         };
         let name = format!("{}\u{1f}{step}\u{1f}{direction}", self.id);
-        let mut bytes = *Uuid::new_v5(&Uuid::NAMESPACE_OID, name.as_bytes()).as_bytes();
-        let millis = u64::try_from(self.created_at.timestamp_millis()).unwrap_or(0);
-        bytes[..6].copy_from_slice(&millis.to_be_bytes()[2..]);
-        bytes[6] = (bytes[6] & 0x0f) | 0x70;
-        bytes[8] = (bytes[8] & 0x3f) | 0x80;
-        match MessageId::new(Uuid::from_bytes(bytes).to_string()) {
-            Ok(id) => id,
-            // A UUID's text is 36 printable bytes.
-            Err(error) => unreachable!("a UUID is a valid message id: {error}"),
-        }
+        MessageId::derive_v7(self.created_at, &name)
     }
 }
 

@@ -1,0 +1,31 @@
+//! The RabbitMQ transport (feature `rabbitmq`, through `lapin`).
+//!
+//! - [`Consumer`]: consume a queue, run each message through a handler (typically the
+//!   [`InboxGuard`](crate::InboxGuard)), ack only after it committed; dead-letter bad
+//!   input with a reason header; requeue retryable failures a bounded number of times.
+//! - [`Relay`]: publish the transactional outbox with publisher confirms, in order per
+//!   aggregate, marking rows sent only after the confirm.
+//! - [`serve_step`] and [`AmqpDispatch`]: saga steps and their orchestrator in separate
+//!   processes, talking through queues.
+//! - [`codec`]: the envelope on the wire; [`AmqpConfig`]: queues, prefetch, backoff.
+//!
+//! Queues are `<prefix>.<consumer_type>` (durable) with `<prefix>.<consumer_type>.dead`
+//! for dead letters; the prefix defaults to `sagabox`.
+
+mod broker;
+pub mod codec;
+mod config;
+mod consumer;
+mod dispatch;
+mod relay;
+
+pub use broker::{Publisher, Routing, connect, declare};
+pub use config::{AmqpConfig, AmqpError};
+pub use consumer::{
+    ATTEMPTS_HEADER, Consumer, ConsumerHandle, ConsumerOptions, ConsumerStats, DEAD_DETAIL_HEADER,
+    DEAD_REASON_HEADER, DeliveryHandler, Disposition, dead_reasons,
+};
+pub use dispatch::{AmqpDispatch, REPLY_KIND, reply_envelope, serve_step};
+pub use relay::{
+    OutboxSource, Relay, RelayArguments, RelayConfig, RelayError, RelayMessage, RelayState,
+};

@@ -1,0 +1,166 @@
+//! Connecting, declaring the queues, and publishing with confirms.
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::{Confirmation, PublisherConfirm};
+
+use super::codec;
+use super::config::{AmqpConfig, AmqpError};
+use crate::database::redact;
+use crate::envelope::{ConsumerType, Envelope};
+
+/// Opens a connection to the broker in `config`.
+pub async fn connect(config: &AmqpConfig) -> Result<Connection, AmqpError> {
+    Connection::connect(&config.url, ConnectionProperties::default())
+        .await
+        .map_err(|source| AmqpError::Connect {
+            url: redact(&config.url),
+            source,
+        })
+}
+
+/// Declares `consumer_type`'s queue and its dead-letter queue, both durable. The main
+/// queue dead-letters into the dead queue, so a message rejected without requeue by any
+/// client lands there too.
+pub async fn declare(
+    channel: &Channel,
+    config: &AmqpConfig,
+    consumer_type: &ConsumerType,
+) -> Result<String, AmqpError> {
+    let queue = config.queue(consumer_type);
+    let dead = config.dead_queue(consumer_type);
+    channel
+        .queue_declare(
+            dead.as_str().into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(AmqpError::broker("declare the dead-letter queue"))?;
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString("".into()),
+    );
+    arguments.insert(
+        "x-dead-letter-routing-key".into(),
+        AMQPValue::LongString(dead.as_str().into()),
+    );
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::durable(),
+            arguments,
+        )
+        .await
+        .map_err(AmqpError::broker("declare the queue"))?;
+    Ok(queue)
+}
+
+/// Whether a publish must reach a queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routing {
+    /// The queue must exist: an unroutable message is returned and reported as
+    /// [`AmqpError::NotConfirmed`] (commands, outbox rows, dead letters).
+    Required,
+    /// Dropped by the broker when no queue takes it (replies to an orchestrator that
+    /// is gone: it will ask again).
+    BestEffort,
+}
+
+/// A channel in confirm mode: [`Publisher::publish`] returns once the broker has taken
+/// the message (persisted, for a durable queue).
+#[derive(Debug, Clone)]
+pub struct Publisher {
+    channel: Channel,
+}
+
+impl Publisher {
+    /// A new confirm-mode channel on `connection`.
+    pub async fn open(connection: &Connection) -> Result<Self, AmqpError> {
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(AmqpError::broker("open a channel"))?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(AmqpError::broker("enable publisher confirms"))?;
+        Ok(Self { channel })
+    }
+
+    /// The channel, for declaring queues.
+    pub fn channel(&self) -> &Channel {
+        &self.channel
+    }
+
+    /// Publishes `envelope` to `queue` (through the default exchange) and waits for the
+    /// broker's confirm. `reply_to` and `correlation_id` are set when given. With
+    /// `Routing::Required` a message no queue takes is an error
+    /// ([`AmqpError::NotConfirmed`]), not a silent drop.
+    pub async fn publish(
+        &self,
+        queue: &str,
+        envelope: &Envelope,
+        reply_to: Option<&str>,
+        correlation_id: Option<&str>,
+        routing: Routing,
+    ) -> Result<(), AmqpError> {
+        let (body, mut properties) = codec::encode(envelope);
+        if let Some(reply_to) = reply_to {
+            properties = properties.with_reply_to(reply_to.into());
+        }
+        if let Some(correlation_id) = correlation_id {
+            properties = properties.with_correlation_id(correlation_id.into());
+        }
+        self.publish_raw(queue, &body, properties, routing).await
+    }
+
+    /// Publishes `body` with `properties` to `queue` and waits for the confirm.
+    pub async fn publish_raw(
+        &self,
+        queue: &str,
+        body: &[u8],
+        properties: BasicProperties,
+        routing: Routing,
+    ) -> Result<(), AmqpError> {
+        let confirm = self.start_publish(queue, body, properties, routing).await?;
+        Self::confirmed(queue, confirm).await
+    }
+
+    /// Sends without waiting for the confirm: for publishing a batch in order and then
+    /// awaiting every confirm with [`Publisher::confirmed`].
+    pub(crate) async fn start_publish(
+        &self,
+        queue: &str,
+        body: &[u8],
+        properties: BasicProperties,
+        routing: Routing,
+    ) -> Result<PublisherConfirm, AmqpError> {
+        let options = BasicPublishOptions {
+            mandatory: routing == Routing::Required,
+            ..BasicPublishOptions::default()
+        };
+        self.channel
+            .basic_publish("".into(), queue.into(), options, body, properties)
+            .await
+            .map_err(AmqpError::broker("publish"))
+    }
+
+    /// Waits for the broker's answer to one publish.
+    pub(crate) async fn confirmed(queue: &str, confirm: PublisherConfirm) -> Result<(), AmqpError> {
+        match confirm
+            .await
+            .map_err(AmqpError::broker("wait for the confirm"))?
+        {
+            Confirmation::Ack(None) => Ok(()),
+            // Ack(Some(_)) is a mandatory message returned as unroutable.
+            Confirmation::Ack(Some(_)) | Confirmation::Nack(_) | Confirmation::NotRequested => {
+                Err(AmqpError::NotConfirmed {
+                    queue: queue.to_owned(),
+                })
+            }
+        }
+    }
+}

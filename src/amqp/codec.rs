@@ -1,0 +1,212 @@
+//! An [`Envelope`] on the wire: the AMQP `message_id` property is the message id (the
+//! delivery tag never is), the body is a JSON object `{"kind", "saga_id"?, "payload",
+//! "headers"?}`, and the `timestamp` property carries the publish time.
+//!
+//! [`decode`] turns a delivery into an envelope or a [`Malformed`] reason that goes into
+//! the dead-letter header, so a bad message is set aside with a cause, never retried.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use chrono::{DateTime, TimeZone, Utc};
+use lapin::BasicProperties;
+use lapin::types::AMQPValue;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::envelope::{Envelope, KeyError, MessageId};
+
+/// The body of a message on the wire.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Body {
+    kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    saga_id: Option<String>,
+    payload: Value,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    headers: BTreeMap<String, String>,
+}
+
+/// Why a delivery is not a message this consumer can take. Each is dead-lettered at once
+/// with [`Malformed::reason`] in the `x-sagabox-dead-reason` header.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Malformed {
+    /// No `message_id` property: the inbox has nothing stable to deduplicate on.
+    #[error("the message has no message_id property; publish it with a stable id")]
+    MissingMessageId,
+    /// The `message_id` is empty, too long or holds control characters.
+    #[error("the message_id property is not a valid message id: {0}")]
+    InvalidMessageId(KeyError),
+    /// The body is not the JSON envelope `{"kind", "saga_id"?, "payload"}`.
+    #[error("the body is not a sagabox envelope (JSON with kind and payload): {0}")]
+    NotAnEnvelope(String),
+    /// The kind is not one this consumer handles.
+    #[error("unknown message kind {kind:?}; this consumer takes {expected}")]
+    UnknownKind {
+        /// The kind in the message.
+        kind: String,
+        /// The kinds the consumer takes, listed.
+        expected: String,
+    },
+}
+
+impl Malformed {
+    /// The short, stable reason code written to the dead-letter header and metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Malformed::MissingMessageId => "missing_message_id",
+            Malformed::InvalidMessageId(_) => "invalid_message_id",
+            Malformed::NotAnEnvelope(_) => "not_an_envelope",
+            Malformed::UnknownKind { .. } => "unknown_kind",
+        }
+    }
+}
+
+/// The body and properties to publish `envelope` with: persistent, JSON, its id as
+/// `message_id`, its publish time (if any) as `timestamp`.
+pub fn encode(envelope: &Envelope) -> (Vec<u8>, BasicProperties) {
+    let body = Body {
+        kind: envelope.kind.clone(),
+        saga_id: envelope.saga_id.clone(),
+        payload: envelope.payload.clone(),
+        headers: envelope.headers.clone(),
+    };
+    // Serialising a struct of strings and a JSON value cannot fail.
+    let bytes = serde_json::to_vec(&body).unwrap_or_default();
+    let mut properties = BasicProperties::default()
+        .with_message_id(envelope.id.as_str().into())
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2);
+    if let Some(at) = envelope.published_at {
+        properties = properties.with_timestamp(u64::try_from(at.timestamp()).unwrap_or(0));
+    }
+    (bytes, properties)
+}
+
+/// The envelope in a delivery, checked against the kinds the consumer takes (an empty
+/// set takes every kind).
+pub fn decode(
+    properties: &BasicProperties,
+    data: &[u8],
+    kinds: &BTreeSet<String>,
+) -> Result<Envelope, Malformed> {
+    let id = properties
+        .message_id()
+        .as_ref()
+        .ok_or(Malformed::MissingMessageId)?;
+    let id = MessageId::new(id.as_str()).map_err(Malformed::InvalidMessageId)?;
+    let body: Body = serde_json::from_slice(data)
+        .map_err(|error| Malformed::NotAnEnvelope(error.to_string()))?;
+    let mut envelope = Envelope::new(id, body.kind, body.payload)
+        .map_err(|error| Malformed::NotAnEnvelope(error.to_string()))?;
+    if !kinds.is_empty() && !kinds.contains(&envelope.kind) {
+        return Err(Malformed::UnknownKind {
+            kind: envelope.kind,
+            expected: kinds.iter().cloned().collect::<Vec<_>>().join(", "),
+        });
+    }
+    envelope.saga_id = body.saga_id;
+    envelope.headers = body.headers;
+    envelope.published_at = properties.timestamp().and_then(timestamp);
+    Ok(envelope)
+}
+
+fn timestamp(seconds: u64) -> Option<DateTime<Utc>> {
+    Utc.timestamp_opt(i64::try_from(seconds).ok()?, 0).single()
+}
+
+/// A string header of `properties`, if present.
+pub fn header(properties: &BasicProperties, name: &str) -> Option<String> {
+    let headers = properties.headers().as_ref()?;
+    match headers.inner().get(name)? {
+        AMQPValue::LongString(value) => Some(value.to_string()),
+        AMQPValue::ShortString(value) => Some(value.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+/// An integer header of `properties`, if present.
+pub fn count_header(properties: &BasicProperties, name: &str) -> Option<u32> {
+    let headers = properties.headers().as_ref()?;
+    match headers.inner().get(name)? {
+        AMQPValue::LongUInt(value) => Some(*value),
+        AMQPValue::LongLongInt(value) => u32::try_from(*value).ok(),
+        AMQPValue::LongInt(value) => u32::try_from(*value).ok(),
+        _ => None,
+    }
+}
+
+/// `properties` with `headers` set (added to those already there).
+pub fn with_headers(
+    properties: BasicProperties,
+    headers: impl IntoIterator<Item = (&'static str, AMQPValue)>,
+) -> BasicProperties {
+    let mut table = properties.headers().clone().unwrap_or_default();
+    for (name, value) in headers {
+        table.insert(name.into(), value);
+    }
+    properties.with_headers(table)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn kinds(list: &[&str]) -> BTreeSet<String> {
+        list.iter().map(|kind| (*kind).to_owned()).collect()
+    }
+
+    #[test]
+    fn an_envelope_round_trips() {
+        let envelope = Envelope::new(MessageId::new_v7(), "charge", json!({"cents": 5}))
+            .unwrap()
+            .with_saga_id("saga-1")
+            .with_header("trace", "abc")
+            .with_published_at(Utc.timestamp_opt(1_790_000_000, 0).unwrap());
+        let (body, properties) = encode(&envelope);
+        let decoded = decode(&properties, &body, &kinds(&["charge"])).unwrap();
+        assert_eq!(decoded, envelope);
+    }
+
+    #[test]
+    fn each_kind_of_bad_input_has_its_reason() {
+        let good = br#"{"kind":"charge","payload":{}}"#;
+        let id = |id: &str| BasicProperties::default().with_message_id(id.into());
+        let charge = kinds(&["charge"]);
+        let cases: Vec<(BasicProperties, &[u8], &str)> = vec![
+            (BasicProperties::default(), good, "missing_message_id"),
+            (id(""), good, "invalid_message_id"),
+            (id("a\nb"), good, "invalid_message_id"),
+            (id("m-1"), b"not json", "not_an_envelope"),
+            (id("m-1"), br#"{"payload":{}}"#, "not_an_envelope"),
+            (id("m-1"), br#"{"kind":"","payload":{}}"#, "not_an_envelope"),
+            (
+                id("m-1"),
+                br#"{"kind":"refund","payload":{}}"#,
+                "unknown_kind",
+            ),
+        ];
+        for (properties, body, reason) in cases {
+            let error = decode(&properties, body, &charge).unwrap_err();
+            assert_eq!(error.reason(), reason, "{error}");
+        }
+        assert!(decode(&id("m-1"), good, &charge).is_ok());
+        assert!(decode(&id("m-1"), br#"{"kind":"x","payload":1}"#, &BTreeSet::new()).is_ok());
+    }
+
+    #[test]
+    fn headers_are_added_and_read() {
+        let properties = with_headers(
+            BasicProperties::default(),
+            [
+                ("x-reason", AMQPValue::LongString("bad".into())),
+                ("x-attempts", AMQPValue::LongUInt(3)),
+            ],
+        );
+        assert_eq!(header(&properties, "x-reason").as_deref(), Some("bad"));
+        assert_eq!(count_header(&properties, "x-attempts"), Some(3));
+        assert_eq!(count_header(&properties, "x-missing"), None);
+    }
+}

@@ -1,0 +1,440 @@
+//! [`Consumer`]: consumes one queue, hands each decoded [`Envelope`] to a
+//! [`DeliveryHandler`], and settles the delivery by what the handler says — acknowledged
+//! only after the handler returned (for a guarded step: after the guard's transaction
+//! committed, or after it found a duplicate).
+//!
+//! - Bad input (no `message_id`, an invalid id, a body that is not the envelope, an
+//!   unknown kind) is dead-lettered at once into `<prefix>.<consumer_type>.dead` with
+//!   the headers `x-sagabox-dead-reason` (a stable code) and `x-sagabox-dead-detail`
+//!   (what was wrong); the consumer goes on with the next message.
+//! - A retryable failure is requeued with an attempt count: classic queues do not count
+//!   redeliveries, so the message is published again to the back of its queue with
+//!   `x-sagabox-attempts` incremented (after a short backoff) and the original acked.
+//!   After [`AmqpConfig::max_redeliveries`] attempts it is dead-lettered
+//!   (`retries_exhausted`).
+//! - A lost connection ends the session: deliveries not yet acked come back from the
+//!   broker (the inbox absorbs those already applied), and the consumer reconnects with
+//!   backoff.
+//! - [`ConsumerHandle::stop`] cancels the subscription, lets the deliveries in flight
+//!   finish and settle, then closes the connection.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use futures_lite::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use tokio::sync::watch;
+use tokio::task::{JoinHandle, JoinSet};
+
+use super::broker::{self, Publisher, Routing};
+use super::codec::{self, Malformed};
+use super::config::{AmqpConfig, AmqpError};
+use crate::envelope::{ConsumerType, Envelope};
+
+/// The header with a dead-lettered message's reason code.
+pub const DEAD_REASON_HEADER: &str = "x-sagabox-dead-reason";
+/// The header with a dead-lettered message's explanation.
+pub const DEAD_DETAIL_HEADER: &str = "x-sagabox-dead-detail";
+/// The header counting a message's retryable failures.
+pub const ATTEMPTS_HEADER: &str = "x-sagabox-attempts";
+
+/// What to do with a delivery, as the handler decided.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Disposition {
+    /// Handled (applied, or found to be a duplicate): acknowledge. A `reply` is published
+    /// first to the delivery's `reply_to` queue, correlated by the message id.
+    Done {
+        /// The answer to send back, if the sender asked for one.
+        reply: Option<Envelope>,
+    },
+    /// Failed for now (the database is down, a lock timed out): requeue, up to the limit.
+    Retry(String),
+    /// Will never succeed (the inbox refused it): dead-letter with this reason.
+    Reject(String),
+}
+
+/// What handles each decoded message. Implemented for async closures
+/// `Fn(Envelope) -> impl Future<Output = Disposition>`.
+pub trait DeliveryHandler: Send + Sync + 'static {
+    /// Handles one message.
+    fn handle(&self, envelope: Envelope) -> impl Future<Output = Disposition> + Send;
+}
+
+impl<F, Fut> DeliveryHandler for F
+where
+    F: Fn(Envelope) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Disposition> + Send,
+{
+    fn handle(&self, envelope: Envelope) -> impl Future<Output = Disposition> + Send {
+        self(envelope)
+    }
+}
+
+/// Counters of what a consumer did, for tests and summaries.
+#[derive(Debug, Default)]
+pub struct ConsumerStats {
+    /// Deliveries acknowledged after the handler said done.
+    pub acked: AtomicU64,
+    /// Deliveries dead-lettered (bad input, rejected, out of attempts).
+    pub dead_lettered: AtomicU64,
+    /// Deliveries published again after a retryable failure.
+    pub requeued: AtomicU64,
+    /// Sessions started (1 + reconnections).
+    pub sessions: AtomicU64,
+}
+
+/// Which queue a consumer reads, and how it is declared.
+#[derive(Debug, Clone)]
+pub struct ConsumerOptions {
+    /// The consumer type: names the queue and the dead-letter queue.
+    pub consumer_type: ConsumerType,
+    /// The message kinds it takes; any other is dead-lettered (`unknown_kind`). Empty
+    /// takes every kind.
+    pub kinds: BTreeSet<String>,
+    /// Consume from this queue instead of `<prefix>.<consumer_type>`: a private,
+    /// exclusive queue deleted with the connection (an orchestrator's reply queue).
+    pub private_queue: Option<String>,
+}
+
+impl ConsumerOptions {
+    /// The durable queue of `consumer_type`, taking `kinds`.
+    pub fn new<I: IntoIterator<Item = S>, S: Into<String>>(
+        consumer_type: ConsumerType,
+        kinds: I,
+    ) -> Self {
+        Self {
+            consumer_type,
+            kinds: kinds.into_iter().map(Into::into).collect(),
+            private_queue: None,
+        }
+    }
+}
+
+/// A running consumer.
+#[derive(Debug)]
+pub struct ConsumerHandle {
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+    stats: Arc<ConsumerStats>,
+}
+
+impl ConsumerHandle {
+    /// What it has done so far.
+    pub fn stats(&self) -> &Arc<ConsumerStats> {
+        &self.stats
+    }
+
+    /// Stops consuming, lets the deliveries in flight finish and settle, and closes the
+    /// connection.
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+    }
+
+    /// Drops the consumer at once, without settling what is in flight: what a crash
+    /// does. Unacknowledged deliveries return to the queue.
+    pub fn abort(self) {
+        self.task.abort();
+    }
+}
+
+/// Consumes one queue with a [`DeliveryHandler`].
+#[derive(Debug)]
+pub struct Consumer;
+
+impl Consumer {
+    /// Checks `config`, connects once (so a wrong URL fails here, not in the
+    /// background), and starts consuming.
+    pub async fn spawn<H: DeliveryHandler>(
+        config: AmqpConfig,
+        options: ConsumerOptions,
+        handler: H,
+    ) -> Result<ConsumerHandle, AmqpError> {
+        config.validate()?;
+        let first = broker::connect(&config).await?;
+        let (stop, stopped) = watch::channel(false);
+        let stats = Arc::new(ConsumerStats::default());
+        let session = Session {
+            config: Arc::new(config),
+            options: Arc::new(options),
+            handler: Arc::new(handler),
+            stats: Arc::clone(&stats),
+        };
+        let task = tokio::spawn(session.run_forever(first, stopped));
+        Ok(ConsumerHandle { stop, task, stats })
+    }
+}
+
+struct Session<H> {
+    config: Arc<AmqpConfig>,
+    options: Arc<ConsumerOptions>,
+    handler: Arc<H>,
+    stats: Arc<ConsumerStats>,
+}
+
+impl<H: DeliveryHandler> Session<H> {
+    async fn run_forever(self, first: lapin::Connection, mut stopped: watch::Receiver<bool>) {
+        let mut connection = Some(first);
+        let mut failures = 0u32;
+        loop {
+            let connected = match connection.take() {
+                Some(connection) => Ok(connection),
+                None => broker::connect(&self.config).await,
+            };
+            let result = match connected {
+                Ok(connection) => self.consume(connection, &mut stopped).await,
+                Err(error) => Err(error),
+            };
+            match result {
+                Ok(()) => return,
+                Err(error) => {
+                    let wait = self.config.backoff(failures);
+                    failures = failures.saturating_add(1);
+                    tracing::warn!(
+                        consumer_type = %self.options.consumer_type,
+                        %error,
+                        retry_in = ?wait,
+                        "RabbitMQ consumer lost its connection; reconnecting"
+                    );
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = stopped.changed() => return,
+                    }
+                }
+            }
+            if *stopped.borrow() {
+                return;
+            }
+        }
+    }
+
+    /// One connection's worth of consuming. `Ok` when stopped on request.
+    async fn consume(
+        &self,
+        connection: lapin::Connection,
+        stopped: &mut watch::Receiver<bool>,
+    ) -> Result<(), AmqpError> {
+        self.stats.sessions.fetch_add(1, Relaxed);
+        let publisher = Publisher::open(&connection).await?;
+        let (queue, channel) = match &self.options.private_queue {
+            None => {
+                let queue = broker::declare(
+                    publisher.channel(),
+                    &self.config,
+                    &self.options.consumer_type,
+                )
+                .await?;
+                let channel = connection
+                    .create_channel()
+                    .await
+                    .map_err(AmqpError::broker("open a channel"))?;
+                (queue, channel)
+            }
+            Some(queue) => {
+                let channel = connection
+                    .create_channel()
+                    .await
+                    .map_err(AmqpError::broker("open a channel"))?;
+                channel
+                    .queue_declare(
+                        queue.as_str().into(),
+                        lapin::options::QueueDeclareOptions {
+                            exclusive: true,
+                            auto_delete: true,
+                            ..Default::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map_err(AmqpError::broker("declare the private queue"))?;
+                (queue.clone(), channel)
+            }
+        };
+        channel
+            .basic_qos(self.config.prefetch, BasicQosOptions::default())
+            .await
+            .map_err(AmqpError::broker("set the prefetch"))?;
+        let tag = format!("{}-{}", self.options.consumer_type, uuid::Uuid::new_v4());
+        let mut deliveries = channel
+            .basic_consume(
+                queue.as_str().into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(AmqpError::broker("start consuming"))?;
+        tracing::info!(%queue, prefetch = self.config.prefetch, "consuming");
+        let mut in_flight = JoinSet::new();
+        let ended = loop {
+            tokio::select! {
+                changed = stopped.changed() => {
+                    if changed.is_err() || *stopped.borrow() {
+                        let _ = channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
+                        break Ok(());
+                    }
+                }
+                next = deliveries.next() => match next {
+                    Some(Ok(delivery)) => {
+                        let work = Work {
+                            config: Arc::clone(&self.config),
+                            options: Arc::clone(&self.options),
+                            handler: Arc::clone(&self.handler),
+                            stats: Arc::clone(&self.stats),
+                            publisher: publisher.clone(),
+                            queue: queue.clone(),
+                        };
+                        in_flight.spawn(work.settle(delivery));
+                    }
+                    Some(Err(source)) => break Err(AmqpError::Broker { operation: "consume", source }),
+                    None => break Err(AmqpError::Config(format!(
+                        "the broker cancelled the subscription to {queue} (queue deleted?)"
+                    ))),
+                },
+                Some(_) = in_flight.join_next(), if !in_flight.is_empty() => {}
+            }
+        };
+        // Whatever happened, the deliveries in flight finish (their acks fail if the
+        // connection is gone, and the broker redelivers them).
+        while in_flight.join_next().await.is_some() {}
+        if ended.is_ok() {
+            let _ = connection.close(200, "stopping".into()).await;
+        }
+        ended
+    }
+}
+
+/// Settling one delivery.
+struct Work<H> {
+    config: Arc<AmqpConfig>,
+    options: Arc<ConsumerOptions>,
+    handler: Arc<H>,
+    stats: Arc<ConsumerStats>,
+    publisher: Publisher,
+    queue: String,
+}
+
+impl<H: DeliveryHandler> Work<H> {
+    async fn settle(self, delivery: Delivery) {
+        let settled = match codec::decode(&delivery.properties, &delivery.data, &self.options.kinds)
+        {
+            Err(malformed) => {
+                self.dead_letter(&delivery, malformed.reason(), &malformed.to_string())
+                    .await
+            }
+            Ok(envelope) => {
+                let id = envelope.id.clone();
+                match self.handler.handle(envelope).await {
+                    Disposition::Done { reply } => self.done(&delivery, &id, reply).await,
+                    Disposition::Retry(reason) => self.retry(&delivery, &reason).await,
+                    Disposition::Reject(reason) => {
+                        self.dead_letter(&delivery, "rejected", &reason).await
+                    }
+                }
+            }
+        };
+        if let Err(error) = settled {
+            // Not acked: the broker redelivers it, and the inbox absorbs a repeat.
+            tracing::warn!(queue = %self.queue, %error, "delivery not settled; it will be redelivered");
+        }
+    }
+
+    async fn done(
+        &self,
+        delivery: &Delivery,
+        id: &crate::envelope::MessageId,
+        reply: Option<Envelope>,
+    ) -> Result<(), AmqpError> {
+        if let (Some(reply), Some(reply_to)) = (reply, delivery.properties.reply_to()) {
+            self.publisher
+                .publish(
+                    reply_to.as_str(),
+                    &reply,
+                    None,
+                    Some(id.as_str()),
+                    Routing::BestEffort,
+                )
+                .await?;
+        }
+        self.ack(delivery).await?;
+        self.stats.acked.fetch_add(1, Relaxed);
+        Ok(())
+    }
+
+    async fn retry(&self, delivery: &Delivery, reason: &str) -> Result<(), AmqpError> {
+        let attempts = codec::count_header(&delivery.properties, ATTEMPTS_HEADER)
+            .unwrap_or(0)
+            .saturating_add(1);
+        if attempts >= self.config.max_redeliveries {
+            let detail = format!("failed {attempts} times, last: {reason}");
+            return self
+                .dead_letter(delivery, "retries_exhausted", &detail)
+                .await;
+        }
+        tokio::time::sleep(backoff(attempts)).await;
+        let properties = codec::with_headers(
+            delivery.properties.clone(),
+            [(ATTEMPTS_HEADER, AMQPValue::LongUInt(attempts))],
+        );
+        self.publisher
+            .publish_raw(&self.queue, &delivery.data, properties, Routing::Required)
+            .await?;
+        self.ack(delivery).await?;
+        self.stats.requeued.fetch_add(1, Relaxed);
+        Ok(())
+    }
+
+    async fn dead_letter(
+        &self,
+        delivery: &Delivery,
+        reason: &'static str,
+        detail: &str,
+    ) -> Result<(), AmqpError> {
+        tracing::warn!(queue = %self.queue, reason, detail, "dead-lettering a message");
+        let properties = codec::with_headers(
+            delivery.properties.clone(),
+            [
+                (DEAD_REASON_HEADER, AMQPValue::LongString(reason.into())),
+                (DEAD_DETAIL_HEADER, AMQPValue::LongString(detail.into())),
+            ],
+        );
+        let dead = self.config.dead_queue(&self.options.consumer_type);
+        self.publisher
+            .publish_raw(&dead, &delivery.data, properties, Routing::Required)
+            .await?;
+        self.ack(delivery).await?;
+        self.stats.dead_lettered.fetch_add(1, Relaxed);
+        crate::metrics::dead_letter(&self.options.consumer_type, reason);
+        Ok(())
+    }
+
+    async fn ack(&self, delivery: &Delivery) -> Result<(), AmqpError> {
+        delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await
+            .map_err(AmqpError::broker("ack"))?;
+        Ok(())
+    }
+}
+
+fn backoff(attempt: u32) -> Duration {
+    Duration::from_millis(50u64.saturating_mul(1 << attempt.min(6)))
+}
+
+/// The reason codes a dead-lettered message can carry.
+pub fn dead_reasons() -> [&'static str; 6] {
+    [
+        Malformed::MissingMessageId.reason(),
+        "invalid_message_id",
+        "not_an_envelope",
+        "unknown_kind",
+        "rejected",
+        "retries_exhausted",
+    ]
+}

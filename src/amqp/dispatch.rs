@@ -1,0 +1,309 @@
+//! Saga steps over RabbitMQ: [`serve_step`] puts a [`StepPool`] behind a queue, and
+//! [`AmqpDispatch`] lets the [`Orchestrator`](crate::orchestrator::Orchestrator) reach
+//! such steps in other processes.
+//!
+//! A command goes to `<prefix>.<consumer_type>` with its stable message id and a
+//! `reply_to` naming the orchestrator's private reply queue. The step's consumer runs it
+//! through the step pool (and so through the step's inbox), publishes the reply, and
+//! only then acks the command. The reply's id is derived from the command's
+//! ([`MessageId::derived`]), so a command redelivered after a crash produces the same
+//! reply message; replies pass the orchestrator's own inbox (consumer type
+//! `orchestrator` by default), which answers a repeated reply with the first one's
+//! record. A reply lost with a crashed orchestrator costs nothing: the orchestrator's
+//! timeout sends the command again, and the step's inbox answers with the first result.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::sync::oneshot;
+
+use super::broker::{self, Publisher, Routing};
+use super::config::{AmqpConfig, AmqpError};
+use super::consumer::{Consumer, ConsumerHandle, ConsumerOptions, Disposition};
+use crate::envelope::{ConsumerType, Envelope, MessageId};
+use crate::inbox::{GuardError, InboxGuard, Outcome};
+use crate::orchestrator::Dispatch;
+use crate::step::{StepFailure, StepOutcome, StepPool, StepReply};
+use crate::store::InboxStore;
+
+/// The kind of a step's reply message.
+pub const REPLY_KIND: &str = "step_reply";
+
+/// The reply to `command`: a stable id derived from the command's, the step's answer
+/// and the command id it answers, in the payload.
+pub fn reply_envelope(command: &Envelope, reply: &StepReply) -> Envelope {
+    let payload = json!({
+        "command_id": command.id.as_str(),
+        "outcome": reply.outcome.to_record(),
+        "duplicate": reply.duplicate,
+    });
+    Envelope {
+        id: command.id.derived("reply"),
+        kind: REPLY_KIND.to_owned(),
+        saga_id: command.saga_id.clone(),
+        payload,
+        published_at: None,
+        headers: Default::default(),
+    }
+}
+
+/// The command id and answer in a reply's payload.
+fn read_reply(payload: &Value) -> Option<(String, StepReply)> {
+    let command_id = payload.get("command_id")?.as_str()?.to_owned();
+    let outcome = StepOutcome::from_record(payload.get("outcome")?);
+    let duplicate = payload.get("duplicate")?.as_bool()?;
+    Some((command_id, StepReply { outcome, duplicate }))
+}
+
+/// Consumes `<prefix>.<consumer_type of pool>` and delivers each command (of `kinds`)
+/// to `pool`, waiting up to `timeout` for its answer; replies to the sender. A step
+/// failure that may pass is requeued; one the inbox refuses is dead-lettered.
+pub async fn serve_step(
+    config: AmqpConfig,
+    pool: Arc<StepPool>,
+    kinds: impl IntoIterator<Item = String>,
+    timeout: Duration,
+) -> Result<ConsumerHandle, AmqpError> {
+    let options = ConsumerOptions::new(pool.consumer_type().clone(), kinds);
+    Consumer::spawn(config, options, move |command: Envelope| {
+        let pool = Arc::clone(&pool);
+        async move {
+            match pool.deliver(command.clone(), timeout).await {
+                Ok(reply) => Disposition::Done {
+                    reply: Some(reply_envelope(&command, &reply)),
+                },
+                Err(StepFailure::Rejected(reason)) => Disposition::Reject(reason),
+                Err(failure) => Disposition::Retry(failure.to_string()),
+            }
+        }
+    })
+    .await
+}
+
+type Waiters = Arc<Mutex<HashMap<String, Vec<oneshot::Sender<StepReply>>>>>;
+
+/// Sends step commands through RabbitMQ and waits for their replies: the
+/// [`Dispatch`] of an orchestrator whose steps run in other processes.
+#[derive(Debug)]
+pub struct AmqpDispatch {
+    config: AmqpConfig,
+    reply_queue: String,
+    waiters: Waiters,
+    link: tokio::sync::Mutex<Option<Link>>,
+    replies: Mutex<Option<ConsumerHandle>>,
+}
+
+#[derive(Debug)]
+struct Link {
+    connection: lapin::Connection,
+    publisher: Publisher,
+    declared: HashSet<String>,
+}
+
+impl AmqpDispatch {
+    /// Connects, and starts consuming replies on a private queue through `guard` as
+    /// `consumer_type` (the orchestrator's inbox).
+    pub async fn connect<S: InboxStore>(
+        config: AmqpConfig,
+        guard: InboxGuard<S>,
+        consumer_type: ConsumerType,
+    ) -> Result<Self, AmqpError> {
+        config.validate()?;
+        let reply_queue = format!(
+            "{}.{}.replies.{}",
+            config.queue_prefix,
+            consumer_type,
+            uuid::Uuid::new_v4().simple()
+        );
+        let waiters: Waiters = Arc::default();
+        let options = ConsumerOptions {
+            consumer_type: consumer_type.clone(),
+            kinds: BTreeSet::from([REPLY_KIND.to_owned()]),
+            private_queue: Some(reply_queue.clone()),
+        };
+        let replies = {
+            let waiters = Arc::clone(&waiters);
+            Consumer::spawn(config.clone(), options, move |reply: Envelope| {
+                let (guard, consumer_type, waiters) =
+                    (guard.clone(), consumer_type.clone(), Arc::clone(&waiters));
+                async move { take_reply(&guard, &consumer_type, &waiters, reply).await }
+            })
+            .await?
+        };
+        let dispatch = Self {
+            config,
+            reply_queue,
+            waiters,
+            link: tokio::sync::Mutex::new(None),
+            replies: Mutex::new(Some(replies)),
+        };
+        dispatch.publisher().await?;
+        Ok(dispatch)
+    }
+
+    /// Stops consuming replies and closes the connections.
+    pub async fn stop(&self) {
+        let replies = self
+            .replies
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(replies) = replies {
+            replies.stop().await;
+        }
+        if let Some(link) = self.link.lock().await.take() {
+            let _ = link.connection.close(200, "stopping".into()).await;
+        }
+    }
+
+    /// A publisher on a live connection, with `queue` declared when given.
+    async fn publisher(&self) -> Result<Publisher, AmqpError> {
+        self.publisher_for(None).await
+    }
+
+    async fn publisher_for(
+        &self,
+        consumer_type: Option<&ConsumerType>,
+    ) -> Result<Publisher, AmqpError> {
+        let mut link = self.link.lock().await;
+        let alive = link
+            .as_ref()
+            .is_some_and(|link| link.connection.status().connected());
+        if !alive {
+            let connection = broker::connect(&self.config).await?;
+            let publisher = Publisher::open(&connection).await?;
+            *link = Some(Link {
+                connection,
+                publisher,
+                declared: HashSet::new(),
+            });
+        }
+        let Some(link) = link.as_mut() else {
+            return Err(AmqpError::Config("no broker connection".into()));
+        };
+        if let Some(consumer_type) = consumer_type {
+            let queue = self.config.queue(consumer_type);
+            if !link.declared.contains(&queue) {
+                broker::declare(link.publisher.channel(), &self.config, consumer_type).await?;
+                link.declared.insert(queue);
+            }
+        }
+        Ok(link.publisher.clone())
+    }
+
+    fn forget(&self, id: &MessageId) {
+        self.waiters
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(id.as_str());
+    }
+}
+
+/// Passes a reply through the orchestrator's inbox and hands the (first) answer to
+/// whoever waits for its command.
+async fn take_reply<S: InboxStore>(
+    guard: &InboxGuard<S>,
+    consumer_type: &ConsumerType,
+    waiters: &Waiters,
+    reply: Envelope,
+) -> Disposition {
+    let processed = guard
+        .process(consumer_type, &reply, async |_conn, reply| {
+            Ok::<_, Infallible>(reply.payload.clone())
+        })
+        .await;
+    let record = match processed {
+        Ok(Outcome::Applied(record)) => record,
+        Ok(Outcome::Duplicate { result, .. }) => result,
+        Err(GuardError::Inbox(error)) if error.is_retryable() => {
+            return Disposition::Retry(error.to_string());
+        }
+        Err(error) => return Disposition::Reject(error.to_string()),
+    };
+    let Some((command_id, answer)) = read_reply(&record) else {
+        return Disposition::Reject(format!(
+            "the reply's payload is not a step reply (command_id, outcome, duplicate): {record}"
+        ));
+    };
+    let waiting = waiters
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .remove(&command_id);
+    for waiter in waiting.into_iter().flatten() {
+        let _ = waiter.send(answer.clone());
+    }
+    Disposition::Done { reply: None }
+}
+
+impl Dispatch for AmqpDispatch {
+    async fn dispatch(
+        &self,
+        consumer_type: &ConsumerType,
+        envelope: Envelope,
+        timeout: Duration,
+    ) -> Result<StepReply, StepFailure> {
+        let (sender, receiver) = oneshot::channel();
+        self.waiters
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(envelope.id.as_str().to_owned())
+            .or_default()
+            .push(sender);
+        let published = match self.publisher_for(Some(consumer_type)).await {
+            Ok(publisher) => {
+                publisher
+                    .publish(
+                        &self.config.queue(consumer_type),
+                        &envelope,
+                        Some(&self.reply_queue),
+                        None,
+                        Routing::Required,
+                    )
+                    .await
+            }
+            Err(error) => Err(error),
+        };
+        if let Err(error) = published {
+            self.forget(&envelope.id);
+            if let Some(link) = self.link.lock().await.take() {
+                let _ = link.connection.close(200, "reconnecting".into()).await;
+            }
+            return Err(StepFailure::Retryable(error.to_string()));
+        }
+        match tokio::time::timeout(timeout, receiver).await {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(_)) => Err(StepFailure::Retryable(
+                "the reply waiter was dropped (a concurrent delivery took it)".into(),
+            )),
+            Err(_) => {
+                self.forget(&envelope.id);
+                Err(StepFailure::Timeout(timeout))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reply_has_a_stable_id_and_round_trips() {
+        let command = Envelope::new(MessageId::new_v7(), "charge", json!({})).unwrap();
+        let reply = StepReply {
+            outcome: StepOutcome::Refused("declined".into()),
+            duplicate: true,
+        };
+        let first = reply_envelope(&command, &reply);
+        let again = reply_envelope(&command, &reply);
+        assert_eq!(first.id, again.id);
+        assert_ne!(first.id, command.id);
+        assert_eq!(first.id.uuid_v7_time(), command.id.uuid_v7_time());
+        let (command_id, read) = read_reply(&first.payload).unwrap();
+        assert_eq!(command_id, command.id.as_str());
+        assert_eq!(read, reply);
+    }
+}

@@ -1,0 +1,348 @@
+//! The [`Relay`] actor: publishes committed outbox rows to RabbitMQ, at least once, in
+//! `seq` order per aggregate, and marks them sent only after the broker confirmed them.
+//!
+//! A pass takes up to [`RelayConfig::batch`] rows in one transaction
+//! ([`OutboxReader::claim`]: on PostgreSQL, aggregate locks plus `FOR UPDATE SKIP
+//! LOCKED`, so several relays share the work without publishing a row twice), publishes
+//! them in order on one confirm-mode channel, waits for every confirm, marks the
+//! confirmed prefix sent, and commits. A crash between publish and commit leaves the rows
+//! pending: they are published again, with the same message id, and the consumer's inbox
+//! absorbs the repeat.
+//!
+//! On a broker or database error the relay drops its connection and tries again at a
+//! later tick with exponential backoff. Sent rows older than
+//! [`RelayConfig::keep_sent`] are deleted on a timer.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use sqlx::Database;
+
+use super::broker::{self, Publisher, Routing};
+use super::codec;
+use super::config::{AmqpConfig, AmqpError};
+use crate::outbox::{OutboxReader, OutboxRow};
+
+/// How often and how much the relay publishes.
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    /// Rows per pass (one transaction). Defaults to 100.
+    pub batch: i64,
+    /// How often the relay looks for pending rows. Defaults to 50 ms.
+    pub poll_interval: Duration,
+    /// How long sent rows are kept before they are deleted. Defaults to one day.
+    pub keep_sent: Duration,
+    /// How often sent rows are pruned. Defaults to one minute.
+    pub prune_interval: Duration,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        Self {
+            batch: 100,
+            poll_interval: Duration::from_millis(50),
+            keep_sent: Duration::from_secs(24 * 3600),
+            prune_interval: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Why a relay pass failed. The relay itself retries; [`RelayMessage::Flush`] reports it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RelayError {
+    /// The broker failed.
+    #[error(transparent)]
+    Broker(#[from] AmqpError),
+    /// The database failed.
+    #[error("outbox database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// The configuration was refused.
+    #[error("invalid relay configuration: {0}")]
+    Config(String),
+}
+
+/// A database the relay reads: a pool whose connections implement [`OutboxReader`].
+pub trait OutboxSource: Clone + Send + Sync + 'static {
+    /// The database.
+    type Db: Database;
+    /// The pool.
+    fn pool(&self) -> &sqlx::Pool<Self::Db>;
+}
+
+#[cfg(feature = "postgres")]
+impl OutboxSource for sqlx::PgPool {
+    type Db = sqlx::Postgres;
+    fn pool(&self) -> &sqlx::Pool<Self::Db> {
+        self
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl OutboxSource for sqlx::SqlitePool {
+    type Db = sqlx::Sqlite;
+    fn pool(&self) -> &sqlx::Pool<Self::Db> {
+        self
+    }
+}
+
+/// Messages the [`Relay`] handles.
+#[derive(Debug)]
+pub enum RelayMessage {
+    /// Publish what is pending (sent by the relay's own timer).
+    Tick,
+    /// Publish everything pending now; answers how many rows were published, or why not.
+    Flush(RpcReplyPort<Result<usize, String>>),
+}
+
+/// What a relay runs with.
+#[derive(Debug)]
+pub struct RelayArguments<P> {
+    /// The outbox's database.
+    pub source: P,
+    /// The broker.
+    pub amqp: AmqpConfig,
+    /// Batching and timers.
+    pub config: RelayConfig,
+}
+
+/// The relay's state.
+#[derive(Debug)]
+pub struct RelayState<P> {
+    source: P,
+    amqp: AmqpConfig,
+    config: RelayConfig,
+    link: Option<Link>,
+    failures: u32,
+    retry_at: Instant,
+    pruned_at: Instant,
+}
+
+#[derive(Debug)]
+struct Link {
+    connection: lapin::Connection,
+    publisher: Publisher,
+    declared: HashSet<String>,
+}
+
+/// The outbox relay actor. Spawn with [`Actor::spawn`] and [`RelayArguments`].
+#[derive(Debug)]
+pub struct Relay<P>(std::marker::PhantomData<fn() -> P>);
+
+impl<P> Default for Relay<P> {
+    fn default() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+impl<P> Relay<P> {
+    /// The relay.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl<P> Actor for Relay<P>
+where
+    P: OutboxSource,
+    for<'c> &'c mut <P::Db as Database>::Connection: sqlx::Executor<'c, Database = P::Db>,
+    <P::Db as Database>::Connection: OutboxReader,
+{
+    type Msg = RelayMessage;
+    type State = RelayState<P>;
+    type Arguments = RelayArguments<P>;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        args: Self::Arguments,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        args.amqp.validate()?;
+        if args.config.batch < 1 || args.config.poll_interval.is_zero() {
+            return Err(RelayError::Config(
+                "batch must be at least 1 and poll_interval above zero".into(),
+            )
+            .into());
+        }
+        myself.send_interval(args.config.poll_interval, || RelayMessage::Tick);
+        let now = Instant::now();
+        Ok(RelayState {
+            source: args.source,
+            amqp: args.amqp,
+            config: args.config,
+            link: None,
+            failures: 0,
+            retry_at: now,
+            pruned_at: now,
+        })
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(link) = state.link.take() {
+            let _ = link.connection.close(200, "relay stopping".into()).await;
+        }
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        message: Self::Msg,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match message {
+            RelayMessage::Tick => {
+                if Instant::now() >= state.retry_at {
+                    let _ = state.drain().await;
+                }
+                state.prune().await;
+            }
+            RelayMessage::Flush(reply) => {
+                let _ = reply.send(state.drain().await.map_err(|error| error.to_string()));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<P> RelayState<P>
+where
+    P: OutboxSource,
+    for<'c> &'c mut <P::Db as Database>::Connection: sqlx::Executor<'c, Database = P::Db>,
+    <P::Db as Database>::Connection: OutboxReader,
+{
+    /// Passes until nothing is pending; on failure, drops the link and backs off.
+    async fn drain(&mut self) -> Result<usize, RelayError> {
+        let mut published = 0;
+        loop {
+            match self.pass().await {
+                Ok(count) => {
+                    self.failures = 0;
+                    published += count;
+                    if (count as i64) < self.config.batch {
+                        return Ok(published);
+                    }
+                }
+                Err(error) => {
+                    let wait = self.amqp.backoff(self.failures);
+                    self.failures = self.failures.saturating_add(1);
+                    self.retry_at = Instant::now() + wait;
+                    tracing::warn!(%error, retry_in = ?wait, "outbox relay pass failed");
+                    if let Some(link) = self.link.take() {
+                        let _ = link
+                            .connection
+                            .close(200, "relay reconnecting".into())
+                            .await;
+                    }
+                    return Err(error);
+                }
+            }
+        }
+    }
+
+    async fn link(&mut self) -> Result<&mut Link, RelayError> {
+        let usable = self
+            .link
+            .as_ref()
+            .is_some_and(|link| link.connection.status().connected());
+        if !usable {
+            let connection = broker::connect(&self.amqp).await?;
+            let publisher = Publisher::open(&connection).await?;
+            self.link = Some(Link {
+                connection,
+                publisher,
+                declared: HashSet::new(),
+            });
+        }
+        self.link
+            .as_mut()
+            .ok_or_else(|| RelayError::Config("no broker connection".into()))
+    }
+
+    /// One transaction: claim, publish, confirm, mark, commit.
+    async fn pass(&mut self) -> Result<usize, RelayError> {
+        let pool = self.source.pool().clone();
+        let amqp = self.amqp.clone();
+        let batch = self.config.batch;
+        let mut tx = pool.begin().await?;
+        let rows: Vec<OutboxRow> = (*tx).claim(batch).await?;
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let link = self.link().await?;
+        for row in &rows {
+            let queue = amqp.queue(&row.destination);
+            if !link.declared.contains(&queue) {
+                broker::declare(link.publisher.channel(), &amqp, &row.destination).await?;
+                link.declared.insert(queue);
+            }
+        }
+        // Published in order on one channel (the broker keeps that order per queue),
+        // then every confirm awaited.
+        let mut confirms = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let (body, properties) = codec::encode(&row.envelope);
+            let queue = amqp.queue(&row.destination);
+            let confirm = link
+                .publisher
+                .start_publish(&queue, &body, properties, Routing::Required)
+                .await?;
+            confirms.push((queue, confirm));
+        }
+        let mut confirmed = 0;
+        let mut failure = None;
+        for (queue, confirm) in confirms {
+            match Publisher::confirmed(&queue, confirm).await {
+                Ok(()) if failure.is_none() => confirmed += 1,
+                Ok(()) => {}
+                Err(error) => {
+                    failure.get_or_insert(error);
+                }
+            }
+        }
+        // Only the confirmed prefix is marked: a row after a refused one stays pending
+        // and goes again (a repeat the inbox absorbs) rather than out of order.
+        let now = Utc::now();
+        for row in &rows[..confirmed] {
+            (*tx).mark_sent(row.seq, now).await?;
+        }
+        tx.commit().await?;
+        for row in &rows[..confirmed] {
+            let lag = row
+                .envelope
+                .published_at
+                .map(|at| (now - at).to_std().unwrap_or_default())
+                .unwrap_or_default();
+            crate::metrics::outbox_published(&row.destination, lag);
+        }
+        match failure {
+            Some(error) => Err(error.into()),
+            None => Ok(confirmed),
+        }
+    }
+
+    async fn prune(&mut self) {
+        if self.pruned_at.elapsed() < self.config.prune_interval {
+            return;
+        }
+        self.pruned_at = Instant::now();
+        let keep =
+            chrono::Duration::from_std(self.config.keep_sent).unwrap_or(chrono::Duration::days(1));
+        let before = Utc::now() - keep;
+        let pruned = match self.source.pool().acquire().await {
+            Ok(mut conn) => (*conn).prune_sent(before).await,
+            Err(error) => Err(error),
+        };
+        match pruned {
+            Ok(count) if count > 0 => tracing::info!(count, "pruned sent outbox rows"),
+            Ok(_) => {}
+            Err(error) => tracing::warn!(%error, "pruning sent outbox rows failed"),
+        }
+    }
+}
