@@ -82,6 +82,36 @@ pub trait OutboxReader {
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 }
 
+/// One outbox row from a query selecting every column.
+fn decode_row<R: Row>(row: &R) -> Result<OutboxRow, sqlx::Error>
+where
+    usize: sqlx::ColumnIndex<R>,
+    for<'r> &'r str: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> DateTime<Utc>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Json<Value>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Json<BTreeMap<String, String>>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let id: String = row.try_get("id")?;
+    let kind: String = row.try_get("kind")?;
+    let destination: String = row.try_get("destination")?;
+    let payload: Json<Value> = row.try_get("payload")?;
+    let headers: Json<BTreeMap<String, String>> = row.try_get("headers")?;
+    let mut envelope = Envelope::new(MessageId::new(id).map_err(decode_error)?, kind, payload.0)
+        .map_err(decode_error)?
+        .with_published_at(row.try_get("created_at")?);
+    envelope.saga_id = row.try_get("saga_id")?;
+    envelope.headers = headers.0;
+    Ok(OutboxRow {
+        seq: row.try_get("seq")?,
+        aggregate: row.try_get("aggregate")?,
+        destination: ConsumerType::new(destination).map_err(decode_error)?,
+        envelope,
+    })
+}
+
 /// Reads rows with one of the queries above.
 trait RowsOf {
     fn rows(
@@ -98,13 +128,53 @@ const PENDING: &str = "SELECT seq, id, aggregate, destination, kind, saga_id, pa
     FROM sagabox_outbox WHERE sent_at IS NULL ORDER BY seq LIMIT $1";
 const MARK_SENT: &str = "UPDATE sagabox_outbox SET sent_at = $2 WHERE seq = $1 AND sent_at IS NULL";
 
-/// The relay's claim on PostgreSQL: see [`OutboxReader::claim`]. The advisory lock's
-/// class (first key) keeps it apart from the inbox's claim locks.
+/// The relay's claim on PostgreSQL, in two statements (see [`OutboxReader::claim`]):
+/// the aggregates at the head of the queue, each locked for the transaction if no other
+/// relay holds it; then, with a snapshot taken after those locks, the pending rows of
+/// the locked aggregates in order. Taking the locks first matters: a lock tried row by
+/// row inside one scan could fail on an aggregate's early rows (another relay was
+/// sending them) and succeed on its later ones once that relay committed, publishing
+/// them ahead of the rows it skipped. The lock's class (first key) keeps it apart from
+/// the inbox's claim locks.
 #[cfg(feature = "postgres")]
-const CLAIM_POSTGRES: &str = "SELECT seq, id, aggregate, destination, kind, saga_id, payload, headers, created_at \
-    FROM sagabox_outbox \
-    WHERE sent_at IS NULL AND pg_try_advisory_xact_lock(1398892386, hashtext(aggregate)) \
-    ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED";
+const LOCK_HEAD_AGGREGATES: &str = "SELECT aggregate FROM ( \
+        SELECT DISTINCT aggregate FROM ( \
+            SELECT aggregate FROM sagabox_outbox WHERE sent_at IS NULL ORDER BY seq LIMIT $1 \
+        ) head \
+    ) candidates \
+    WHERE pg_try_advisory_xact_lock(1398892386, hashtext(aggregate))";
+#[cfg(feature = "postgres")]
+const PENDING_OF_AGGREGATES: &str = "SELECT seq, id, aggregate, destination, kind, saga_id, payload, headers, created_at \
+    FROM sagabox_outbox WHERE sent_at IS NULL AND aggregate = ANY($2) ORDER BY seq LIMIT $1 FOR UPDATE";
+
+#[cfg(feature = "postgres")]
+async fn claim_postgres(
+    conn: &mut sqlx::PgConnection,
+    limit: i64,
+) -> Result<Vec<OutboxRow>, sqlx::Error> {
+    let aggregates: Vec<String> = sqlx::query_scalar(LOCK_HEAD_AGGREGATES)
+        .bind(limit)
+        .fetch_all(&mut *conn)
+        .await?;
+    if aggregates.is_empty() {
+        return Ok(Vec::new());
+    }
+    let rows = sqlx::query(PENDING_OF_AGGREGATES)
+        .bind(limit)
+        .bind(aggregates)
+        .fetch_all(&mut *conn)
+        .await?;
+    rows.iter().map(decode_row).collect()
+}
+
+#[cfg(feature = "sqlite")]
+async fn claim_sqlite(
+    conn: &mut sqlx::SqliteConnection,
+    limit: i64,
+) -> Result<Vec<OutboxRow>, sqlx::Error> {
+    conn.pending(limit).await
+}
+
 const PRUNE_SENT: &str = "DELETE FROM sagabox_outbox WHERE sent_at IS NOT NULL AND sent_at < $1";
 
 fn decode_error(error: KeyError) -> sqlx::Error {
@@ -112,7 +182,7 @@ fn decode_error(error: KeyError) -> sqlx::Error {
 }
 
 macro_rules! outbox_impls {
-    ($conn:ty, $claim:expr) => {
+    ($conn:ty, $claim:ident) => {
         impl OutboxWriter for $conn {
             async fn publish(
                 &mut self,
@@ -141,7 +211,7 @@ macro_rules! outbox_impls {
             }
 
             async fn claim(&mut self, limit: i64) -> Result<Vec<OutboxRow>, sqlx::Error> {
-                self.rows($claim, limit).await
+                $claim(self, limit).await
             }
 
             async fn prune_sent(&mut self, before: DateTime<Utc>) -> Result<u64, sqlx::Error> {
@@ -173,36 +243,13 @@ macro_rules! outbox_impls {
                 limit: i64,
             ) -> Result<Vec<OutboxRow>, sqlx::Error> {
                 let rows = sqlx::query(sql).bind(limit).fetch_all(&mut *self).await?;
-                rows.iter()
-                    .map(|row| {
-                        let id: String = row.try_get("id")?;
-                        let kind: String = row.try_get("kind")?;
-                        let destination: String = row.try_get("destination")?;
-                        let payload: Json<Value> = row.try_get("payload")?;
-                        let headers: Json<BTreeMap<String, String>> = row.try_get("headers")?;
-                        let mut envelope = Envelope::new(
-                            MessageId::new(id).map_err(decode_error)?,
-                            kind,
-                            payload.0,
-                        )
-                        .map_err(decode_error)?
-                        .with_published_at(row.try_get("created_at")?);
-                        envelope.saga_id = row.try_get("saga_id")?;
-                        envelope.headers = headers.0;
-                        Ok(OutboxRow {
-                            seq: row.try_get("seq")?,
-                            aggregate: row.try_get("aggregate")?,
-                            destination: ConsumerType::new(destination).map_err(decode_error)?,
-                            envelope,
-                        })
-                    })
-                    .collect()
+                rows.iter().map(decode_row).collect()
             }
         }
     };
 }
 
 #[cfg(feature = "postgres")]
-outbox_impls!(sqlx::PgConnection, CLAIM_POSTGRES);
+outbox_impls!(sqlx::PgConnection, claim_postgres);
 #[cfg(feature = "sqlite")]
-outbox_impls!(sqlx::SqliteConnection, PENDING);
+outbox_impls!(sqlx::SqliteConnection, claim_sqlite);

@@ -202,7 +202,7 @@ mod tests {
             BasicProperties::default(),
             [
                 ("x-reason", AMQPValue::LongString("bad".into())),
-                ("x-attempts", AMQPValue::LongUInt(3)),
+                ("x-attempts", AMQPValue::LongLongInt(3)),
             ],
         );
         assert_eq!(header(&properties, "x-reason").as_deref(), Some("bad"));

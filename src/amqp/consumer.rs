@@ -149,7 +149,7 @@ pub struct Consumer;
 
 impl Consumer {
     /// Checks `config`, connects once (so a wrong URL fails here, not in the
-    /// background), and starts consuming.
+    /// background), declares the queues, and starts consuming.
     pub async fn spawn<H: DeliveryHandler>(
         config: AmqpConfig,
         options: ConsumerOptions,
@@ -157,6 +157,14 @@ impl Consumer {
     ) -> Result<ConsumerHandle, AmqpError> {
         config.validate()?;
         let first = broker::connect(&config).await?;
+        // Declared before returning, so a message published after `spawn` has a queue
+        // (a private queue belongs to this first connection, which the session uses).
+        let channel = first
+            .create_channel()
+            .await
+            .map_err(AmqpError::broker("open a channel"))?;
+        declare_source(&channel, &config, &options).await?;
+        let _ = channel.close(200, "declared".into()).await;
         let (stop, stopped) = watch::channel(false);
         let stats = Arc::new(ConsumerStats::default());
         let session = Session {
@@ -221,40 +229,11 @@ impl<H: DeliveryHandler> Session<H> {
     ) -> Result<(), AmqpError> {
         self.stats.sessions.fetch_add(1, Relaxed);
         let publisher = Publisher::open(&connection).await?;
-        let (queue, channel) = match &self.options.private_queue {
-            None => {
-                let queue = broker::declare(
-                    publisher.channel(),
-                    &self.config,
-                    &self.options.consumer_type,
-                )
-                .await?;
-                let channel = connection
-                    .create_channel()
-                    .await
-                    .map_err(AmqpError::broker("open a channel"))?;
-                (queue, channel)
-            }
-            Some(queue) => {
-                let channel = connection
-                    .create_channel()
-                    .await
-                    .map_err(AmqpError::broker("open a channel"))?;
-                channel
-                    .queue_declare(
-                        queue.as_str().into(),
-                        lapin::options::QueueDeclareOptions {
-                            exclusive: true,
-                            auto_delete: true,
-                            ..Default::default()
-                        },
-                        FieldTable::default(),
-                    )
-                    .await
-                    .map_err(AmqpError::broker("declare the private queue"))?;
-                (queue.clone(), channel)
-            }
-        };
+        let queue = declare_source(publisher.channel(), &self.config, &self.options).await?;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(AmqpError::broker("open a channel"))?;
         channel
             .basic_qos(self.config.prefetch, BasicQosOptions::default())
             .await
@@ -306,6 +285,32 @@ impl<H: DeliveryHandler> Session<H> {
             let _ = connection.close(200, "stopping".into()).await;
         }
         ended
+    }
+}
+
+/// Declares the queue a consumer reads; returns its name.
+async fn declare_source(
+    channel: &lapin::Channel,
+    config: &AmqpConfig,
+    options: &ConsumerOptions,
+) -> Result<String, AmqpError> {
+    match &options.private_queue {
+        None => broker::declare(channel, config, &options.consumer_type).await,
+        Some(queue) => {
+            channel
+                .queue_declare(
+                    queue.as_str().into(),
+                    lapin::options::QueueDeclareOptions {
+                        exclusive: true,
+                        auto_delete: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(AmqpError::broker("declare the private queue"))?;
+            Ok(queue.clone())
+        }
     }
 }
 
@@ -379,7 +384,7 @@ impl<H: DeliveryHandler> Work<H> {
         tokio::time::sleep(backoff(attempts)).await;
         let properties = codec::with_headers(
             delivery.properties.clone(),
-            [(ATTEMPTS_HEADER, AMQPValue::LongUInt(attempts))],
+            [(ATTEMPTS_HEADER, AMQPValue::LongLongInt(i64::from(attempts)))],
         );
         self.publisher
             .publish_raw(&self.queue, &delivery.data, properties, Routing::Required)

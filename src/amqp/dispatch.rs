@@ -215,19 +215,27 @@ async fn take_reply<S: InboxStore>(
             Ok::<_, Infallible>(reply.payload.clone())
         })
         .await;
-    let record = match processed {
-        Ok(Outcome::Applied(record)) => record,
-        Ok(Outcome::Duplicate { result, .. }) => result,
+    // A repeated reply carries the first reply's answer (the inbox record); whether the
+    // step saw this delivery as a duplicate is this reply's own news.
+    let (record, this_duplicate) = match processed {
+        Ok(Outcome::Applied(record)) => (record, None),
+        Ok(Outcome::Duplicate { result, .. }) => (
+            result,
+            reply.payload.get("duplicate").and_then(Value::as_bool),
+        ),
         Err(GuardError::Inbox(error)) if error.is_retryable() => {
             return Disposition::Retry(error.to_string());
         }
         Err(error) => return Disposition::Reject(error.to_string()),
     };
-    let Some((command_id, answer)) = read_reply(&record) else {
+    let Some((command_id, mut answer)) = read_reply(&record) else {
         return Disposition::Reject(format!(
             "the reply's payload is not a step reply (command_id, outcome, duplicate): {record}"
         ));
     };
+    if let Some(duplicate) = this_duplicate {
+        answer.duplicate = duplicate;
+    }
     let waiting = waiters
         .lock()
         .unwrap_or_else(PoisonError::into_inner)

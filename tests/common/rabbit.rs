@@ -1,0 +1,178 @@
+//! A RabbitMQ namespace per test: a unique queue prefix, and the queues it used deleted
+//! when the fixture drops (also after a panic).
+//!
+//! RabbitMQ is found at `AMQP_URL`, else `amqp://guest:guest@127.0.0.1:5672/%2f`. A test
+//! that cannot reach it fails with a message that says so; it never skips.
+
+use std::sync::Mutex;
+
+use lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use sagabox::ConsumerType;
+use sagabox::amqp::AmqpConfig;
+
+/// The default broker for tests.
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// The broker URL tests use.
+pub fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned())
+}
+
+/// A unique queue prefix on the test broker, and a plain AMQP client on it.
+pub struct Rabbit {
+    pub config: AmqpConfig,
+    pub connection: Connection,
+    pub channel: Channel,
+    queues: Mutex<Vec<String>>,
+}
+
+impl std::fmt::Debug for Rabbit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rabbit")
+            .field("prefix", &self.config.queue_prefix)
+            .finish()
+    }
+}
+
+impl Rabbit {
+    /// Connects; queues of `consumer_types` (and their dead-letter queues) are deleted
+    /// on drop.
+    pub async fn new(consumer_types: &[&str]) -> Self {
+        let url = amqp_url();
+        let connection = Connection::connect(&url, ConnectionProperties::default())
+            .await
+            .unwrap_or_else(|error| {
+                panic!(
+                    "cannot connect to RabbitMQ at {url}: {error}\n\
+                     start it (rabbitmq-server -detached) or point AMQP_URL at a broker"
+                )
+            });
+        let channel = connection.create_channel().await.expect("channel");
+        let prefix = format!("sagabox-test-{}", uuid::Uuid::new_v4().simple());
+        let config = AmqpConfig::new(url).with_queue_prefix(prefix);
+        let mut queues = Vec::new();
+        for consumer_type in consumer_types {
+            let consumer_type = ConsumerType::new(*consumer_type).expect("consumer type");
+            queues.push(config.queue(&consumer_type));
+            queues.push(config.dead_queue(&consumer_type));
+        }
+        Self {
+            config,
+            connection,
+            channel,
+            queues: Mutex::new(queues),
+        }
+    }
+
+    /// The queue of `consumer_type`.
+    pub fn queue(&self, consumer_type: &str) -> String {
+        self.config
+            .queue(&ConsumerType::new(consumer_type).expect("consumer type"))
+    }
+
+    /// The dead-letter queue of `consumer_type`.
+    pub fn dead_queue(&self, consumer_type: &str) -> String {
+        self.config
+            .dead_queue(&ConsumerType::new(consumer_type).expect("consumer type"))
+    }
+
+    /// Declares `consumer_type`'s queues as the library does.
+    pub async fn declare(&self, consumer_type: &str) {
+        sagabox::amqp::declare(
+            &self.channel,
+            &self.config,
+            &ConsumerType::new(consumer_type).expect("consumer type"),
+        )
+        .await
+        .expect("declare");
+    }
+
+    /// Publishes raw bytes to `queue` as a plain AMQP client would.
+    pub async fn publish_raw(&self, queue: &str, body: &[u8], properties: BasicProperties) {
+        self.channel
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                Default::default(),
+                body,
+                properties,
+            )
+            .await
+            .expect("publish")
+            .await
+            .expect("confirm");
+    }
+
+    /// Messages ready in `queue`.
+    pub async fn ready(&self, queue: &str) -> u32 {
+        let declared = self
+            .channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("passive declare");
+        declared.message_count()
+    }
+
+    /// Takes every message ready in `queue` (acknowledged).
+    pub async fn drain(&self, queue: &str) -> Vec<lapin::message::BasicGetMessage> {
+        let mut taken = Vec::new();
+        while let Some(message) = self
+            .channel
+            .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+            .await
+            .expect("basic_get")
+        {
+            taken.push(message);
+        }
+        taken
+    }
+
+    /// Waits until `queue` holds `count` ready messages; panics after 20 s.
+    pub async fn wait_ready(&self, queue: &str, count: u32) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let ready = self.ready(queue).await;
+            if ready == count {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{queue} holds {ready} messages, expected {count}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Rabbit {
+    fn drop(&mut self) {
+        let queues = std::mem::take(&mut *self.queues.lock().unwrap_or_else(|e| e.into_inner()));
+        let url = amqp_url();
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async move {
+                let connection = Connection::connect(&url, ConnectionProperties::default()).await?;
+                let channel = connection.create_channel().await?;
+                for queue in queues {
+                    channel
+                        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                        .await?;
+                }
+                connection.close(200, "bye".into()).await
+            })
+        })
+        .join();
+    }
+}
