@@ -8,6 +8,12 @@
 //! counter): the inbox is what keeps them exact. `--no-inbox` runs the same saga with
 //! the guard bypassed, to show the damage.
 
+mod transport;
+
+pub use transport::{DemoDispatch, ORCHESTRATOR, kinds_of};
+#[cfg(feature = "rabbitmq")]
+pub use transport::{Participants, ServeConfig, serve};
+
 use std::fmt;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -25,10 +31,10 @@ use uuid::Uuid;
 use crate::database::{Backend, redact};
 use crate::inbox::{InboxConfig, InboxError, InboxGuard};
 use crate::orchestrator::{
-    DriveStats, Faults, InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage,
+    DriveStats, Faults, Orchestrator, OrchestratorArguments, OrchestratorMessage,
 };
 use crate::saga::{DefinitionError, SagaDefinition, SagaInstance, SagaStore};
-use crate::step::{StepError, StepHandler, StepPool, StepPoolConfig};
+use crate::step::{StepError, StepHandler, StepPoolConfig};
 
 /// The checkout saga, as shipped in `sagas/checkout.toml`.
 pub const CHECKOUT_TOML: &str = include_str!("../sagas/checkout.toml");
@@ -65,6 +71,37 @@ pub struct DemoConfig {
     pub resume: bool,
     /// Show a progress bar on stderr. Defaults to `false`.
     pub progress: bool,
+    /// Send commands and replies through RabbitMQ instead of in process. Defaults to
+    /// `None` (in process).
+    pub transport: Option<DemoTransport>,
+}
+
+/// The demo over RabbitMQ.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DemoTransport {
+    /// `amqp://user:password@host:port/vhost`.
+    pub url: String,
+    /// Queue names are `<prefix>.<consumer_type>`. Defaults to `sagabox`.
+    pub queue_prefix: String,
+    /// The participants run in other processes (`sagabox serve`); this one only places
+    /// orders and orchestrates.
+    pub external_participants: bool,
+}
+
+impl DemoTransport {
+    /// RabbitMQ at `url`, participants in this process, the default queue prefix.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            queue_prefix: "sagabox".to_owned(),
+            external_participants: false,
+        }
+    }
+
+    #[cfg(feature = "rabbitmq")]
+    fn amqp(&self) -> crate::amqp::AmqpConfig {
+        crate::amqp::AmqpConfig::new(self.url.clone()).with_queue_prefix(self.queue_prefix.clone())
+    }
 }
 
 impl Default for DemoConfig {
@@ -80,6 +117,7 @@ impl Default for DemoConfig {
             no_inbox: false,
             resume: false,
             progress: false,
+            transport: None,
         }
     }
 }
@@ -103,6 +141,10 @@ pub enum DemoError {
     /// An actor did not start or answer.
     #[error("actor failure: {0}")]
     Actor(String),
+    /// RabbitMQ failed.
+    #[cfg(feature = "rabbitmq")]
+    #[error(transparent)]
+    Broker(#[from] crate::amqp::AmqpError),
 }
 
 impl DemoConfig {
@@ -133,6 +175,16 @@ impl DemoConfig {
         if self.concurrency == 0 {
             return Err(DemoError::Config("--concurrency must be at least 1".into()));
         }
+        #[cfg(feature = "rabbitmq")]
+        if let Some(transport) = &self.transport {
+            transport.amqp().validate()?;
+        }
+        #[cfg(not(feature = "rabbitmq"))]
+        if self.transport.is_some() {
+            return Err(DemoError::Config(
+                "--transport needs the rabbitmq feature; rebuild with it".into(),
+            ));
+        }
         Ok(())
     }
 }
@@ -142,6 +194,8 @@ impl DemoConfig {
 pub struct DemoSummary {
     /// The database, password redacted.
     pub database: String,
+    /// How commands travelled: `in-process`, or the broker URL (password redacted).
+    pub transport: String,
     /// Whether the inbox was bypassed.
     pub no_inbox: bool,
     /// Orders in the demo tables.
@@ -188,7 +242,11 @@ impl DemoSummary {
 impl fmt::Display for DemoSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let inbox = if self.no_inbox { "BYPASSED" } else { "on" };
-        writeln!(f, "checkout demo on {} (inbox {inbox})", self.database)?;
+        writeln!(
+            f,
+            "checkout demo on {} via {} (inbox {inbox})",
+            self.database, self.transport
+        )?;
         let rows: [(&str, String); 15] = [
             ("orders", self.orders.to_string()),
             ("completed", self.completed.to_string()),
@@ -556,18 +614,15 @@ macro_rules! backend_run {
             }
 
             let handler = Checkout::new(config.fail_rate, config.seed ^ 0x5eed);
-            let mut dispatch = InProcess::new();
-            for step in definition.steps() {
-                let pool = StepPool::spawn(
-                    guard.clone(),
-                    step.consumer_type().clone(),
-                    handler.clone(),
-                    StepPoolConfig { workers: 4, bypass_inbox: config.no_inbox },
-                )
-                .await
-                .map_err(|e| DemoError::Actor(e.to_string()))?;
-                dispatch = dispatch.with_pool(pool);
-            }
+            let pool_config = StepPoolConfig { workers: 4, bypass_inbox: config.no_inbox };
+            let dispatch = DemoDispatch::start(
+                &guard,
+                &definition,
+                &handler,
+                &pool_config,
+                config.transport.as_ref(),
+            )
+            .await?;
             let dispatch = Arc::new(dispatch);
             let stats = Arc::new(DriveStats::default());
             let (orchestrator, orchestrator_handle) = Actor::spawn(
@@ -664,6 +719,10 @@ macro_rules! backend_run {
             let figure = |name: &str| figures.get(name).copied().unwrap_or_default();
             Ok(DemoSummary {
                 database: redact(url),
+                transport: config
+                    .transport
+                    .as_ref()
+                    .map_or_else(|| "in-process".to_owned(), |transport| redact(&transport.url)),
                 no_inbox: config.no_inbox,
                 orders: figure("orders"),
                 completed: figure("completed"),

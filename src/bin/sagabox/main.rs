@@ -1,4 +1,4 @@
-//! The `sagabox` command line: `demo`, `migrate`, `prune`, `bench`.
+//! The `sagabox` command line: `demo`, `serve`, `migrate`, `prune`, `bench`.
 
 mod bench;
 
@@ -55,6 +55,50 @@ enum Command {
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
+        /// Send commands and replies through RabbitMQ at this URL
+        /// (amqp://guest:guest@127.0.0.1:5672/%2f) instead of in process.
+        #[arg(long, env = "AMQP_URL")]
+        transport: Option<String>,
+        /// Queue names are <prefix>.<consumer_type> (with --transport).
+        #[arg(long, default_value = "sagabox")]
+        queue_prefix: String,
+        /// The participants run as `sagabox serve` processes; this one only places
+        /// orders and orchestrates (with --transport).
+        #[arg(long, requires = "transport")]
+        external_participants: bool,
+    },
+    /// Run checkout participants over RabbitMQ until interrupted (Ctrl-C or SIGTERM):
+    /// each role consumes sagabox.<role> through its inbox and replies.
+    Serve {
+        /// Roles to serve: payment, inventory, email, orchestrator (resumes unfinished
+        /// sagas), or all. Repeat or comma-separate.
+        #[arg(long, value_delimiter = ',', required = true)]
+        role: Vec<String>,
+        /// amqp://user:password@host:port/vhost
+        #[arg(
+            long,
+            env = "AMQP_URL",
+            default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+        )]
+        amqp_url: String,
+        /// postgres://user@host:port/db or sqlite:path/to/file.db
+        #[arg(long, env = "DATABASE_URL", default_value = "sqlite:sagabox-demo.db")]
+        database_url: String,
+        /// Queue names are <prefix>.<consumer_type>.
+        #[arg(long, default_value = "sagabox")]
+        queue_prefix: String,
+        /// Unacknowledged messages per consumer (AMQP prefetch).
+        #[arg(long, default_value_t = 32)]
+        prefetch: u16,
+        /// Workers per step pool.
+        #[arg(long, default_value_t = 4)]
+        workers: usize,
+        /// Share of handler runs failing after their write, before commit (0..1).
+        #[arg(long, default_value_t = 0.0)]
+        fail_rate: f64,
+        /// Seed of the injected failures.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
     },
     /// Run the migrations and create the current and upcoming inbox partitions.
     Migrate {
@@ -143,6 +187,74 @@ where
     }
 }
 
+/// Resolves on Ctrl-C or SIGTERM.
+async fn interrupted() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate => {}
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn serve(
+    roles: Vec<String>,
+    amqp_url: String,
+    database_url: &str,
+    queue_prefix: String,
+    prefetch: u16,
+    workers: usize,
+    fail_rate: f64,
+    seed: u64,
+) -> Result<(), String> {
+    const STEPS: [&str; 3] = ["payment", "inventory", "email"];
+    let mut steps = Vec::new();
+    let mut orchestrator = false;
+    for role in roles {
+        match role.as_str() {
+            "all" => {
+                steps.extend(STEPS.map(str::to_owned));
+                orchestrator = true;
+            }
+            "orchestrator" => orchestrator = true,
+            step if STEPS.contains(&step) => steps.push(role),
+            other => {
+                return Err(format!(
+                    "unknown role {other:?}: use payment, inventory, email, orchestrator or all"
+                ));
+            }
+        }
+    }
+    steps.sort();
+    steps.dedup();
+    let roles = steps
+        .into_iter()
+        .map(sagabox::ConsumerType::new)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    let mut amqp = sagabox::amqp::AmqpConfig::new(amqp_url).with_queue_prefix(queue_prefix);
+    amqp.prefetch = prefetch;
+    let config = sagabox::demo::ServeConfig {
+        roles,
+        orchestrator,
+        amqp,
+        workers,
+        fail_rate,
+        seed,
+        resume_interval: Duration::from_secs(1),
+    };
+    sagabox::demo::serve(database_url, config, interrupted())
+        .await
+        .map_err(|e| e.to_string())
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -166,6 +278,9 @@ async fn main() -> ExitCode {
             no_inbox,
             resume,
             json,
+            transport,
+            queue_prefix,
+            external_participants,
         } => {
             let config = sagabox::demo::DemoConfig {
                 orders,
@@ -178,12 +293,46 @@ async fn main() -> ExitCode {
                 no_inbox,
                 resume,
                 progress: true,
+                transport: transport.map(|url| sagabox::demo::DemoTransport {
+                    url,
+                    queue_prefix,
+                    external_participants,
+                }),
             };
             report(
                 "demo",
                 sagabox::demo::run(&database_url, &config).await,
                 json,
             )
+        }
+        Command::Serve {
+            role,
+            amqp_url,
+            database_url,
+            queue_prefix,
+            prefetch,
+            workers,
+            fail_rate,
+            seed,
+        } => {
+            let served = serve(
+                role,
+                amqp_url,
+                &database_url,
+                queue_prefix,
+                prefetch,
+                workers,
+                fail_rate,
+                seed,
+            )
+            .await;
+            match served {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    eprintln!("sagabox serve: {error}");
+                    ExitCode::FAILURE
+                }
+            }
         }
         Command::Prune {
             database_url,
