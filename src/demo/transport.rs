@@ -141,7 +141,7 @@ pub enum DemoDispatch {
     #[cfg(feature = "rabbitmq")]
     Amqp {
         /// The orchestrator's side.
-        dispatch: AmqpDispatch,
+        dispatch: Box<AmqpDispatch>,
         /// Participants served from this process, if any.
         participants: Option<Participants>,
     },
@@ -194,7 +194,7 @@ impl DemoDispatch {
                 )
                 .await?;
                 Ok(DemoDispatch::Amqp {
-                    dispatch,
+                    dispatch: Box::new(dispatch),
                     participants,
                 })
             }
