@@ -492,8 +492,12 @@ checkout_handler!(
 #[cfg(feature = "sqlite")]
 checkout_handler!(sqlx::Sqlite, None::<&'static str>);
 
-/// The demo's business tables on PostgreSQL (`CREATE TABLE IF NOT EXISTS`).
+/// The demo's business tables on PostgreSQL (`CREATE TABLE IF NOT EXISTS`). The
+/// statements run as one implicit transaction behind an advisory lock: concurrent
+/// `CREATE TABLE IF NOT EXISTS` of one table can fail in PostgreSQL, and `sagabox serve`
+/// processes starting together run these at once.
 pub const POSTGRES_TABLES: &str = "
+SELECT pg_advisory_xact_lock(1398892387);
 CREATE TABLE IF NOT EXISTS demo_orders (id TEXT PRIMARY KEY, saga_id TEXT NOT NULL, sku TEXT NOT NULL,
     quantity BIGINT NOT NULL, amount_cents BIGINT NOT NULL);
 CREATE TABLE IF NOT EXISTS payment_charges (id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,

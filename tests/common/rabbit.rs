@@ -105,6 +105,25 @@ impl Rabbit {
             .expect("confirm");
     }
 
+    /// Consumers subscribed to `queue` (0 if it does not exist yet).
+    pub async fn consumers(&self, queue: &str) -> u32 {
+        // A passive declare of a missing queue closes the channel: use a throwaway one.
+        let channel = self.connection.create_channel().await.expect("channel");
+        let declared = channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await;
+        let count = declared.map(|queue| queue.consumer_count()).unwrap_or(0);
+        let _ = channel.close(200, "bye".into()).await;
+        count
+    }
+
     /// Messages ready in `queue`.
     pub async fn ready(&self, queue: &str) -> u32 {
         let declared = self
