@@ -398,7 +398,7 @@ mod over_rabbitmq {
         for child in &mut participants {
             terminate(child);
         }
-        for mut child in participants {
+        for child in participants {
             let output = child.wait_with_output().unwrap();
             assert!(
                 output.status.success(),
