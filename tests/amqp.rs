@@ -581,3 +581,103 @@ async fn the_orchestrator_reaches_a_step_through_the_broker_and_repeats_get_the_
     assert_eq!(pg.scalar("SELECT COUNT(*) FROM effects").await, 1);
     assert_eq!(rabbit.ready(&rabbit.queue("payment")).await, 0);
 }
+
+#[tokio::test]
+async fn the_relay_reconnects_after_the_broker_closes_its_connection() {
+    let (pg, rabbit) = (Pg::new().await, Rabbit::new(&["email"]).await);
+    write_outbox(&pg, 4, 25).await;
+    let (relay, relay_handle) = Actor::spawn(
+        None,
+        Relay::new(),
+        RelayArguments {
+            source: pg.pool.clone(),
+            amqp: rabbit.config.clone(),
+            config: relay_config(),
+        },
+    )
+    .await
+    .unwrap();
+    wait_for("the first wave sent", async || {
+        pg.scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")
+            .await
+            == 0
+    })
+    .await;
+    assert_eq!(
+        rabbit.close_connections("relay"),
+        1,
+        "the relay's connection was found and closed"
+    );
+    write_outbox(&pg, 4, 25).await;
+    wait_for("the second wave sent after reconnecting", async || {
+        pg.scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")
+            .await
+            == 0
+    })
+    .await;
+    relay.stop(None);
+    relay_handle.await.unwrap();
+    rabbit.wait_ready(&rabbit.queue("email"), 200).await;
+    let ids: std::collections::HashSet<String> = rabbit
+        .drain(&rabbit.queue("email"))
+        .await
+        .iter()
+        .map(|message| {
+            message
+                .delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(ids.len(), 200);
+}
+
+#[tokio::test]
+async fn a_consumer_whose_connection_is_closed_reconnects_and_applies_each_message_once() {
+    let (pg, rabbit) = (Pg::new().await, Rabbit::new(&["payment"]).await);
+    pg.exec(EFFECTS).await;
+    let guard = InboxGuard::new(pg.store(8).await, InboxConfig::default()).unwrap();
+    rabbit.declare("payment").await;
+    let duplicates = Arc::new(AtomicU32::new(0));
+    let consumer = guarded_consumer(
+        &rabbit,
+        &guard,
+        "payment",
+        &["charge"],
+        Arc::clone(&duplicates),
+    )
+    .await;
+    let stats = Arc::clone(consumer.stats());
+    let ids: Vec<MessageId> = (0..400).map(|_| MessageId::new_v7()).collect();
+    for (n, id) in ids.iter().enumerate() {
+        let (body, properties) = message(id.as_str(), "charge", json!({"n": n}));
+        rabbit
+            .publish_raw(&rabbit.queue("payment"), &body, properties)
+            .await;
+        if n == 150 {
+            // Messages are in flight: some applied and not yet acked, some unacked.
+            assert_eq!(rabbit.close_connections("consumer payment"), 1);
+        }
+    }
+    wait_for("every message applied", async || {
+        pg.scalar("SELECT COUNT(DISTINCT message_id) FROM effects")
+            .await
+            == 400
+    })
+    .await;
+    wait_for("the queue drained", async || {
+        rabbit.ready(&rabbit.queue("payment")).await == 0
+    })
+    .await;
+    consumer.stop().await;
+    assert!(stats.sessions.load(SeqCst) >= 2, "it reconnected");
+    assert_eq!(
+        pg.scalar("SELECT COUNT(*) FROM effects").await,
+        400,
+        "none applied twice"
+    );
+    assert_eq!(rabbit.ready(&rabbit.dead_queue("payment")).await, 0);
+}

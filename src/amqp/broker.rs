@@ -10,9 +10,12 @@ use super::config::{AmqpConfig, AmqpError};
 use crate::database::redact;
 use crate::envelope::{ConsumerType, Envelope};
 
-/// Opens a connection to the broker in `config`.
-pub async fn connect(config: &AmqpConfig) -> Result<Connection, AmqpError> {
-    Connection::connect(&config.url, ConnectionProperties::default())
+/// Opens a connection to the broker in `config`, named `<prefix>/<role>` in the broker's
+/// connection list (`rabbitmqctl list_connections user_provided_name`).
+pub async fn connect(config: &AmqpConfig, role: &str) -> Result<Connection, AmqpError> {
+    let properties = ConnectionProperties::default()
+        .with_connection_name(format!("{}/{role}", config.queue_prefix).into());
+    Connection::connect(&config.url, properties)
         .await
         .map_err(|source| AmqpError::Connect {
             url: redact(&config.url),

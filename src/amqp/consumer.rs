@@ -156,7 +156,7 @@ impl Consumer {
         handler: H,
     ) -> Result<ConsumerHandle, AmqpError> {
         config.validate()?;
-        let first = broker::connect(&config).await?;
+        let first = broker::connect(&config, &connection_role(&options)).await?;
         // Declared before returning, so a message published after `spawn` has a queue
         // (a private queue belongs to this first connection, which the session uses).
         let channel = first
@@ -192,7 +192,7 @@ impl<H: DeliveryHandler> Session<H> {
         loop {
             let connected = match connection.take() {
                 Some(connection) => Ok(connection),
-                None => broker::connect(&self.config).await,
+                None => broker::connect(&self.config, &connection_role(&self.options)).await,
             };
             let result = match connected {
                 Ok(connection) => self.consume(connection, &mut stopped).await,
@@ -285,6 +285,14 @@ impl<H: DeliveryHandler> Session<H> {
             let _ = connection.close(200, "stopping".into()).await;
         }
         ended
+    }
+}
+
+/// How a consumer's connection is named: `consumer <queue>`.
+fn connection_role(options: &ConsumerOptions) -> String {
+    match &options.private_queue {
+        Some(queue) => format!("consumer {queue}"),
+        None => format!("consumer {}", options.consumer_type),
     }
 }
 

@@ -173,7 +173,7 @@ impl AmqpDispatch {
             .as_ref()
             .is_some_and(|link| link.connection.status().connected());
         if !alive {
-            let connection = broker::connect(&self.config).await?;
+            let connection = broker::connect(&self.config, "dispatch").await?;
             let publisher = Publisher::open(&connection).await?;
             *link = Some(Link {
                 connection,

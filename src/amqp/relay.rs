@@ -252,7 +252,7 @@ where
             .as_ref()
             .is_some_and(|link| link.connection.status().connected());
         if !usable {
-            let connection = broker::connect(&self.amqp).await?;
+            let connection = broker::connect(&self.amqp, "relay").await?;
             let publisher = Publisher::open(&connection).await?;
             self.link = Some(Link {
                 connection,

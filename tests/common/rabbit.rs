@@ -124,6 +124,36 @@ impl Rabbit {
         count
     }
 
+    /// Closes, from the broker's side, every connection whose name (set by sagabox as
+    /// `<prefix>/<role>`) is this fixture's prefix followed by `/` and `role`; returns how
+    /// many it closed. What a broker restart or a network cut does to a client.
+    pub fn close_connections(&self, role: &str) -> usize {
+        let wanted = format!("{}/{role}", self.config.queue_prefix);
+        let listed = std::process::Command::new("rabbitmqctl")
+            .args(["list_connections", "--silent", "pid", "client_properties"])
+            .output()
+            .expect("run rabbitmqctl (is RabbitMQ installed here?)");
+        assert!(
+            listed.status.success(),
+            "rabbitmqctl list_connections failed: {listed:?}"
+        );
+        let mut closed = 0;
+        for line in String::from_utf8_lossy(&listed.stdout).lines() {
+            let Some((pid, properties)) = line.split_once('\t') else {
+                continue;
+            };
+            if properties.contains(&format!("{{\"connection_name\",\"{wanted}\"}}")) {
+                let status = std::process::Command::new("rabbitmqctl")
+                    .args(["close_connection", pid.trim(), "closed by a sagabox test"])
+                    .output()
+                    .expect("rabbitmqctl close_connection");
+                assert!(status.status.success(), "{status:?}");
+                closed += 1;
+            }
+        }
+        closed
+    }
+
     /// Messages ready in `queue`.
     pub async fn ready(&self, queue: &str) -> u32 {
         let declared = self
