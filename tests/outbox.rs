@@ -82,6 +82,27 @@ macro_rules! outbox_suite {
                 let again = Envelope::new(ids[0].clone(), "notice", json!({})).unwrap();
                 assert!(conn.publish(&email, "agg", &again).await.is_err());
             }
+
+            #[tokio::test]
+            async fn claimed_rows_come_in_order_and_only_old_sent_rows_are_pruned() {
+                let fx = <$fixture>::new().await;
+                let email = ConsumerType::new("email").unwrap();
+                let mut conn = fx.pool.acquire().await.unwrap();
+                for n in 0..4 {
+                    let out = <$conn>::message("notice", json!({"n": n})).unwrap();
+                    conn.publish(&email, &format!("agg-{}", n % 2), &out).await.unwrap();
+                }
+                let claimed = conn.claim(10).await.unwrap();
+                let ns: Vec<_> = claimed.iter().map(|r| r.envelope.payload["n"].as_i64().unwrap()).collect();
+                assert_eq!(ns, [0, 1, 2, 3]);
+                let long_ago = Utc::now() - chrono::Duration::days(3);
+                assert!(conn.mark_sent(claimed[0].seq, long_ago).await.unwrap());
+                assert!(conn.mark_sent(claimed[1].seq, Utc::now()).await.unwrap());
+                let pruned = conn.prune_sent(Utc::now() - chrono::Duration::days(1)).await.unwrap();
+                assert_eq!(pruned, 1, "only the row sent before the cut-off");
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM sagabox_outbox").await, 3);
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL").await, 2, "pending rows are never pruned");
+            }
         }
     };
 }
