@@ -681,3 +681,59 @@ async fn a_consumer_whose_connection_is_closed_reconnects_and_applies_each_messa
     );
     assert_eq!(rabbit.ready(&rabbit.dead_queue("payment")).await, 0);
 }
+
+#[tokio::test]
+async fn stopping_a_consumer_lets_the_messages_in_flight_finish_and_be_acked() {
+    let (pg, rabbit) = (Pg::new().await, Rabbit::new(&["payment"]).await);
+    pg.exec(EFFECTS).await;
+    let guard = InboxGuard::new(pg.store(8).await, InboxConfig::default()).unwrap();
+    rabbit.declare("payment").await;
+    let started = Arc::new(AtomicU32::new(0));
+    let consumer = {
+        let (guard, started) = (guard.clone(), Arc::clone(&started));
+        let payment = ConsumerType::new("payment").unwrap();
+        Consumer::spawn(
+            rabbit.config.clone(),
+            ConsumerOptions::new(payment.clone(), ["charge"]),
+            move |envelope: Envelope| {
+                let (guard, payment, started) =
+                    (guard.clone(), payment.clone(), Arc::clone(&started));
+                async move {
+                    guard
+                        .process(&payment, &envelope, async |conn, envelope| {
+                            started.fetch_add(1, SeqCst);
+                            // A slow handler: still running when the stop comes.
+                            tokio::time::sleep(Duration::from_millis(500)).await;
+                            sqlx::query("INSERT INTO effects (message_id, body) VALUES ($1, $2)")
+                                .bind(envelope.id.as_str())
+                                .bind(&envelope.payload)
+                                .execute(&mut *conn)
+                                .await?;
+                            Ok::<_, sqlx::Error>(json!({}))
+                        })
+                        .await
+                        .unwrap();
+                    Disposition::Done { reply: None }
+                }
+            },
+        )
+        .await
+        .unwrap()
+    };
+    for n in 0..5 {
+        let (body, properties) = message(MessageId::new_v7().as_str(), "charge", json!({"n": n}));
+        rabbit
+            .publish_raw(&rabbit.queue("payment"), &body, properties)
+            .await;
+    }
+    wait_for("five handlers running", async || started.load(SeqCst) == 5).await;
+    let stats = Arc::clone(consumer.stats());
+    consumer.stop().await;
+    assert_eq!(
+        stats.acked.load(SeqCst),
+        5,
+        "every message in flight was finished and acked"
+    );
+    assert_eq!(pg.scalar("SELECT COUNT(*) FROM effects").await, 5);
+    assert_eq!(rabbit.ready(&rabbit.queue("payment")).await, 0);
+}

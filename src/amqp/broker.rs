@@ -67,8 +67,9 @@ pub enum Routing {
     /// The queue must exist: an unroutable message is returned and reported as
     /// [`AmqpError::NotConfirmed`] (commands, outbox rows, dead letters).
     Required,
-    /// Dropped by the broker when no queue takes it (replies to an orchestrator that
-    /// is gone: it will ask again).
+    /// Dropped by the broker when no queue takes it, and not written to disk (replies:
+    /// an orchestrator that is gone, or restarted with the broker, asks again with the
+    /// same command id and the step's inbox answers with the first result).
     BestEffort,
 }
 
@@ -116,6 +117,9 @@ impl Publisher {
         }
         if let Some(correlation_id) = correlation_id {
             properties = properties.with_correlation_id(correlation_id.into());
+        }
+        if routing == Routing::BestEffort {
+            properties = properties.with_delivery_mode(1);
         }
         self.publish_raw(queue, &body, properties, routing).await
     }
