@@ -65,6 +65,7 @@ pub mod database;
 pub mod demo;
 pub mod envelope;
 pub mod inbox;
+pub mod inspect;
 pub mod metrics;
 pub mod month;
 pub mod orchestrator;
@@ -73,6 +74,7 @@ pub mod pruner;
 pub mod saga;
 pub mod step;
 pub mod store;
+pub mod telemetry;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use envelope::{ConsumerType, Envelope, KeyError, MAX_KEY_BYTES, MessageId};
