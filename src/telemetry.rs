@@ -11,6 +11,7 @@
 //! [`redact`](crate::database::redact).
 
 use std::fmt;
+use std::io::IsTerminal;
 use std::str::FromStr;
 
 use tracing_subscriber::EnvFilter;
@@ -91,6 +92,8 @@ pub fn init_tracing(format: LogFormat) -> Result<(), TelemetryError> {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(env_filter()?)
         .with_span_events(FmtSpan::CLOSE)
+        // Colour codes only for a person at a terminal, never into a log file.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     let installed = match format {
         LogFormat::Human => builder.try_init(),
