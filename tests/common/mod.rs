@@ -6,6 +6,8 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod scrape;
+
 use std::path::PathBuf;
 
 use sagabox::{InboxStore, PostgresStore, SqliteStore};
