@@ -113,7 +113,7 @@ pub struct DuplicateReport {
     /// Duplicates on messages whose latest duplicate was in the last 24 hours.
     pub last_day: i64,
     /// Every duplicate counted on the rows still in the inbox.
-    pub live: i64,
+    pub in_inbox: i64,
 }
 
 /// How far back the inbox deduplicates, against the TTL and the broker.
@@ -389,7 +389,7 @@ fn assess(
     }
 }
 
-/// Adds `(consumer_type, last_hour, last_day, live)` counts into `into`, keeping it
+/// Adds `(consumer_type, last_hour, last_day, in_inbox)` counts into `into`, keeping it
 /// sorted by consumer type (backends that read month by month call it per month).
 fn merge_duplicates(into: &mut Vec<DuplicateReport>, row: DuplicateReport) {
     match into
@@ -399,7 +399,7 @@ fn merge_duplicates(into: &mut Vec<DuplicateReport>, row: DuplicateReport) {
         Some(known) => {
             known.last_hour += row.last_hour;
             known.last_day += row.last_day;
-            known.live += row.live;
+            known.in_inbox += row.in_inbox;
         }
         None => {
             into.push(row);
@@ -518,7 +518,7 @@ impl fmt::Display for InspectReport {
             writeln!(
                 f,
                 "  {:<24} {:>10} {:>10} {:>10}",
-                d.consumer_type, d.last_hour, d.last_day, d.live
+                d.consumer_type, d.last_hour, d.last_day, d.in_inbox
             )?;
         }
         let sum =
@@ -529,7 +529,7 @@ impl fmt::Display for InspectReport {
             "total",
             sum(|d| d.last_hour),
             sum(|d| d.last_day),
-            sum(|d| d.live)
+            sum(|d| d.in_inbox)
         )?;
 
         writeln!(f, "\nsagas")?;
@@ -780,13 +780,13 @@ mod tests {
                     consumer_type: ct.into(),
                     last_hour: n,
                     last_day: n,
-                    live: n,
+                    in_inbox: n,
                 },
             );
         }
         let totals: Vec<(&str, i64)> = all
             .iter()
-            .map(|d| (d.consumer_type.as_str(), d.live))
+            .map(|d| (d.consumer_type.as_str(), d.in_inbox))
             .collect();
         assert_eq!(totals, [("email", 1), ("payment", 5)]);
     }

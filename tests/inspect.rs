@@ -87,15 +87,15 @@ macro_rules! inspect_suite {
                 let reported: Vec<(String, i64)> = report
                     .duplicates
                     .iter()
-                    .map(|d| (d.consumer_type.clone(), d.live))
+                    .map(|d| (d.consumer_type.clone(), d.in_inbox))
                     .collect();
                 assert_eq!(reported, by_sql);
                 let types: Vec<&str> = reported.iter().map(|(t, _)| t.as_str()).collect();
                 assert_eq!(types, ["email", "inventory", "payment"]);
                 for d in &report.duplicates {
-                    assert!(d.live > 0, "{d:?}");
+                    assert!(d.in_inbox > 0, "{d:?}");
                     // All of them happened in the last minutes.
-                    assert_eq!((d.last_hour, d.last_day), (d.live, d.live), "{d:?}");
+                    assert_eq!((d.last_hour, d.last_day), (d.in_inbox, d.in_inbox), "{d:?}");
                 }
 
                 // Sagas by status, as SQL groups them, and the summary's totals.
@@ -156,7 +156,7 @@ macro_rules! inspect_suite {
                 let counts: Vec<(&str, i64, i64, i64)> = report
                     .duplicates
                     .iter()
-                    .map(|d| (d.consumer_type.as_str(), d.last_hour, d.last_day, d.live))
+                    .map(|d| (d.consumer_type.as_str(), d.last_hour, d.last_day, d.in_inbox))
                     .collect();
                 assert_eq!(counts, [("email", 1, 1, 1), ("payment", 4, 4, 4)]);
                 let rows: i64 = report.partitions.iter().map(|p| p.rows).sum();
@@ -170,7 +170,7 @@ macro_rules! inspect_suite {
                 assert_eq!(report.duplicates[1].last_hour, 0);
                 assert_eq!(report.duplicates[1].last_day, 4);
                 let report = later(36).await.unwrap();
-                assert_eq!((report.duplicates[1].last_day, report.duplicates[1].live), (0, 4));
+                assert_eq!((report.duplicates[1].last_day, report.duplicates[1].in_inbox), (0, 4));
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -198,7 +198,7 @@ macro_rules! inspect_suite {
                 }
                 let report = inspect(&fx.url, &InspectOptions::default()).await.unwrap();
                 assert_eq!(report.duplicates.len(), 1);
-                assert_eq!(report.duplicates[0].live, expected_duplicates);
+                assert_eq!(report.duplicates[0].in_inbox, expected_duplicates);
                 assert_eq!(report.duplicates[0].last_hour, expected_duplicates);
             }
 
@@ -323,5 +323,5 @@ async fn sqlite_monthly_tables_from_before_the_duplicate_columns_are_upgraded() 
         "the old row still deduplicates"
     );
     let report = inspect(&fx.url, &InspectOptions::default()).await.unwrap();
-    assert_eq!(report.duplicates[0].live, 1);
+    assert_eq!(report.duplicates[0].in_inbox, 1);
 }

@@ -101,7 +101,7 @@ async fn a_scrape_during_a_demo_run_finds_every_catalogued_metric() {
         "sagabox_inbox_messages_total",
         &["outcome=\"duplicate\""],
     );
-    let on_rows: i64 = report.duplicates.iter().map(|d| d.live).sum();
+    let on_rows: i64 = report.duplicates.iter().map(|d| d.in_inbox).sum();
     assert!(on_rows > 0);
     assert_eq!(
         duplicates as i64, on_rows,

@@ -72,7 +72,7 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
         "SELECT consumer_type, \
                 COALESCE(SUM(duplicates) FILTER (WHERE last_duplicate_at >= $1), 0)::bigint AS last_hour, \
                 COALESCE(SUM(duplicates) FILTER (WHERE last_duplicate_at >= $2), 0)::bigint AS last_day, \
-                SUM(duplicates)::bigint AS live \
+                SUM(duplicates)::bigint AS in_inbox \
          FROM sagabox_inbox WHERE duplicates > 0 GROUP BY consumer_type",
     )
     .bind(windows[0])
@@ -87,7 +87,7 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
                 consumer_type: row.try_get("consumer_type").map_err(&failed)?,
                 last_hour: row.try_get("last_hour").map_err(&failed)?,
                 last_day: row.try_get("last_day").map_err(&failed)?,
-                live: row.try_get("live").map_err(&failed)?,
+                in_inbox: row.try_get("in_inbox").map_err(&failed)?,
             },
         );
     }

@@ -59,7 +59,7 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
             "SELECT consumer_type, \
                     SUM(CASE WHEN last_duplicate_at >= $1 THEN duplicates ELSE 0 END) AS last_hour, \
                     SUM(CASE WHEN last_duplicate_at >= $2 THEN duplicates ELSE 0 END) AS last_day, \
-                    SUM(duplicates) AS live \
+                    SUM(duplicates) AS in_inbox \
              FROM {table} WHERE duplicates > 0 GROUP BY consumer_type"
         )))
         .bind(windows[0])
@@ -74,7 +74,7 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
                     consumer_type: row.try_get("consumer_type").map_err(&failed)?,
                     last_hour: row.try_get("last_hour").map_err(&failed)?,
                     last_day: row.try_get("last_day").map_err(&failed)?,
-                    live: row.try_get("live").map_err(&failed)?,
+                    in_inbox: row.try_get("in_inbox").map_err(&failed)?,
                 },
             );
         }
