@@ -31,7 +31,6 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde_json::{Value, json};
-
 use tracing::Instrument;
 
 use crate::envelope::{ConsumerType, Envelope};
