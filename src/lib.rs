@@ -9,28 +9,49 @@
 //! taken, applies nothing, and gets the first delivery's result. Acknowledge to the
 //! source only after the guard returned `Ok`.
 //!
+//! Around it: step actors in pools of competing consumers, an orchestrator that drives
+//! sagas from persisted state and retries freely (the inbox makes retries safe), a
+//! pruner that keeps the monthly partitions, a transactional outbox, and the operator's
+//! tools — `sagabox inspect`, a Prometheus endpoint, structured logs.
+//!
+//! # Quick start
+//!
+//! One message delivered twice, applied once (`cargo run --example quickstart` runs a
+//! complete version):
+//!
 //! ```no_run
 //! use sagabox::{ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId, Outcome, SqliteStore};
 //! use serde_json::json;
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let store = SqliteStore::connect("sqlite:sagabox.db", 4).await?;
+//! sqlx::query("CREATE TABLE IF NOT EXISTS charges (order_id TEXT, cents INTEGER)")
+//!     .execute(store.pool())
+//!     .await?;
 //! let guard = InboxGuard::new(store, InboxConfig::default())?;
-//! guard.migrate().await?;
+//! guard.migrate().await?; // the inbox's tables and this month's partitions + 2 ahead
 //!
 //! let payment = ConsumerType::new("payment")?;
-//! let envelope = Envelope::new(MessageId::new("order-42/charge")?, "charge", json!({"cents": 4200}))?;
-//! let outcome = guard
-//!     .process(&payment, &envelope, async |conn, envelope| {
-//!         sqlx::query("INSERT INTO charges (order_id, cents) VALUES ($1, $2)")
-//!             .bind("order-42")
-//!             .bind(envelope.payload["cents"].as_i64())
-//!             .execute(&mut *conn)
-//!             .await?;
-//!         Ok::<_, sqlx::Error>(json!({"charged": 4200}))
-//!     })
-//!     .await?;
-//! assert!(matches!(outcome, Outcome::Applied(_)));
+//! let envelope = Envelope::new(MessageId::new_v7(), "charge", json!({"cents": 4200}))?;
+//! for delivery in 1..=2 {
+//!     let outcome = guard
+//!         .process(&payment, &envelope, async |conn, envelope| {
+//!             // Runs inside the claim's transaction: commits with the inbox row or not at all.
+//!             sqlx::query("INSERT INTO charges (order_id, cents) VALUES ($1, $2)")
+//!                 .bind("order-42")
+//!                 .bind(envelope.payload["cents"].as_i64())
+//!                 .execute(&mut *conn)
+//!                 .await?;
+//!             Ok::<_, sqlx::Error>(json!({"charged": 4200}))
+//!         })
+//!         .await?;
+//!     // The second delivery applies nothing and gets the first one's result.
+//!     match outcome {
+//!         Outcome::Applied(result) => assert_eq!(delivery, 1, "{result}"),
+//!         Outcome::Duplicate { result, .. } => assert_eq!(result, json!({"charged": 4200})),
+//!     }
+//!     // Only now acknowledge the message to the broker.
+//! }
 //! # Ok(())
 //! # }
 //! ```
@@ -46,19 +67,37 @@
 //! - [`saga`]: saga definitions as data (TOML), saga instances and their store.
 //! - [`orchestrator`]: the [`Orchestrator`](orchestrator::Orchestrator) actor — persisted
 //!   state, stable command ids, free retries, compensation, resume.
-//! - [`outbox`]: the transactional outbox, write side ([`OutboxWriter`](outbox::OutboxWriter)).
+//! - [`outbox`]: the transactional outbox — rows written in the handler's transaction
+//!   ([`OutboxWriter`](outbox::OutboxWriter)), claimed and marked by the relay.
+//! - `amqp` (feature `rabbitmq`): the RabbitMQ transport — a consumer that acks after
+//!   commit and dead-letters bad input, the outbox relay with publisher confirms, and the
+//!   orchestrator's commands and replies over queues.
 //! - [`pruner`]: the [`Pruner`](pruner::Pruner) actor — partitions ahead, expired ones dropped.
+//! - [`inspect`]: what `sagabox inspect` reports — partitions, the inbox's reach against
+//!   the TTL and the broker, duplicates suppressed, sagas, the outbox — read by SQL.
+//! - [`metrics`]: the metric catalogue ([`CATALOGUE`](metrics::CATALOGUE)) and the
+//!   Prometheus endpoint ([`install_prometheus`](metrics::install_prometheus)).
+//! - [`telemetry`]: logs and spans — [`init_tracing`](telemetry::init_tracing), human or JSON.
 //! - [`demo`]: the checkout saga behind `sagabox demo`.
 //! - [`month`]: [`Month`], the partition unit; [`clock`]: [`Clock`], injectable time.
-//! - [`metrics`]: the metric names emitted.
 //! - [`database`]: opening a store from a URL; [`redact`](database::redact) for logs.
+//!
+//! `docs/` has the rest: `architecture.md` (the actors and the path of a message),
+//! `guarantees.md` (the contract), `partitioning.md`, `operations.md` (TTL, pruning,
+//! `inspect`, the metric catalogue and alerts, upgrades, scaling out) and
+//! `benchmarks.md`.
 //!
 //! # Features
 //!
 //! | feature | default | what it adds |
 //! | --- | --- | --- |
-//! | `postgres` | yes | [`PostgresStore`] |
-//! | `sqlite` | yes | [`SqliteStore`] |
+//! | `postgres` | yes | [`PostgresStore`]: the production inbox, partitioned by month |
+//! | `sqlite` | yes | [`SqliteStore`]: the embedded inbox, one table per month (bundled SQLite) |
+//! | `rabbitmq` | yes | the RabbitMQ transport (lapin): consumer, outbox relay, broker dispatch |
+//! | `prometheus` | yes | [`metrics::install_prometheus`] and `--metrics-addr`: Prometheus text over HTTP |
+//!
+//! Without `prometheus` the metrics still go through the `metrics` facade to whatever
+//! recorder the application installs.
 
 #[cfg(feature = "rabbitmq")]
 pub mod amqp;
@@ -67,6 +106,7 @@ pub mod database;
 pub mod demo;
 pub mod envelope;
 pub mod inbox;
+pub mod inspect;
 pub mod metrics;
 pub mod month;
 pub mod orchestrator;
@@ -75,6 +115,7 @@ pub mod pruner;
 pub mod saga;
 pub mod step;
 pub mod store;
+pub mod telemetry;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use envelope::{ConsumerType, Envelope, KeyError, MAX_KEY_BYTES, MessageId};

@@ -1,19 +1,38 @@
-//! The metrics the inbox emits through the `metrics` crate's facade. Install any
-//! recorder (Prometheus, StatsD, …) to collect them; without one they cost nothing.
+//! The metrics sagabox emits through the `metrics` crate's facade, as one catalogue
+//! ([`CATALOGUE`]) that the docs, the Grafana dashboard and the Prometheus exporter are
+//! built from. Install any recorder (Prometheus with [`install_prometheus`], StatsD, …)
+//! to collect them; without one they cost nothing.
 //!
-//! | name | kind | labels |
-//! | --- | --- | --- |
-//! | `sagabox_inbox_messages_total` | counter | `consumer_type`, `outcome` = `applied` \| `duplicate` \| `failed` |
-//! | `sagabox_inbox_claim_seconds` | histogram | — : time to begin the transaction and claim the key, waiting for a racing delivery included |
-//! | `sagabox_inbox_partitions_created_on_demand_total` | counter | — : months created by a claim that found its partition missing |
-//! | `sagabox_pruner_partitions_created_total` | counter | — : months created ahead by the pruner |
-//! | `sagabox_pruner_partitions_dropped_total` | counter | — : expired months dropped by the pruner |
-//! | `sagabox_pruner_failures_total` | counter | — : pruner passes that failed (retried at the next tick) |
-//! | `sagabox_inbox_oldest_partition_age_seconds` | gauge | — : age of the oldest partition's first instant, after a pass |
+//! | name | kind | labels | what |
+//! | --- | --- | --- | --- |
+//! | `sagabox_inbox_messages_total` | counter | `consumer_type`, `outcome` = `applied` \| `duplicate` \| `failed` | messages through the guard |
+//! | `sagabox_inbox_claim_seconds` | histogram | — | time to begin the transaction and claim the key, waiting for a racing delivery included |
+//! | `sagabox_inbox_partitions_created_on_demand_total` | counter | — | months created by a claim that found its partition missing |
+//! | `sagabox_pruner_partitions_created_total` | counter | — | months created ahead by the pruner |
+//! | `sagabox_pruner_partitions_dropped_total` | counter | — | expired months dropped by the pruner |
+//! | `sagabox_pruner_failures_total` | counter | — | pruner passes that failed (retried at the next tick) |
+//! | `sagabox_inbox_oldest_partition_age_seconds` | gauge | — | age of the oldest partition's first instant, after a pass |
+//! | `sagabox_saga_steps_total` | counter | `saga`, `step`, `direction` = `forward` \| `backward`, `outcome` = `done` \| `refused` \| `failed` | step command attempts and how they ended |
+//! | `sagabox_saga_step_seconds` | histogram | `saga`, `step`, `direction` | one attempt, send to reply (or failure) |
+//! | `sagabox_saga_retries_total` | counter | `saga`, `step`, `direction` | attempts after the first of a command |
+//! | `sagabox_saga_compensations_total` | counter | `saga`, `trigger` = `refused` \| `exhausted` \| `rejected` | sagas that turned to compensating, and why |
+//! | `sagabox_saga_duration_seconds` | histogram | `saga`, `status` = `completed` \| `compensated` | creation to terminal state |
+//! | `sagabox_outbox_published_total` | counter | `destination` | outbox rows published and confirmed by the broker |
+//! | `sagabox_outbox_pending` | gauge | — | outbox rows not yet published |
+//! | `sagabox_outbox_lag_seconds` | histogram | — | outbox row committed → broker confirm |
+//! | `sagabox_dead_letters_total` | counter | `consumer_type`, `reason` | messages dead-lettered instead of processed |
+//!
+//! `docs/operations.md` explains each one and what to do when it moves.
 
 use std::time::Duration;
 
 use crate::envelope::ConsumerType;
+
+#[cfg(feature = "prometheus")]
+mod prometheus;
+
+#[cfg(feature = "prometheus")]
+pub use prometheus::{MetricsError, install_prometheus, prometheus_builder};
 
 /// Messages through the guard, by consumer type and outcome.
 pub const INBOX_MESSAGES_TOTAL: &str = "sagabox_inbox_messages_total";
@@ -30,6 +49,162 @@ pub const PRUNER_PARTITIONS_DROPPED_TOTAL: &str = "sagabox_pruner_partitions_dro
 pub const PRUNER_FAILURES_TOTAL: &str = "sagabox_pruner_failures_total";
 /// Age of the oldest inbox partition, in seconds.
 pub const INBOX_OLDEST_PARTITION_AGE_SECONDS: &str = "sagabox_inbox_oldest_partition_age_seconds";
+/// Step command attempts, by saga, step, direction and outcome.
+pub const SAGA_STEPS_TOTAL: &str = "sagabox_saga_steps_total";
+/// Seconds of one step command attempt.
+pub const SAGA_STEP_SECONDS: &str = "sagabox_saga_step_seconds";
+/// Step command attempts after the first.
+pub const SAGA_RETRIES_TOTAL: &str = "sagabox_saga_retries_total";
+/// Sagas that turned to compensating, by trigger.
+pub const SAGA_COMPENSATIONS_TOTAL: &str = "sagabox_saga_compensations_total";
+/// Seconds from a saga's creation to its terminal state.
+pub const SAGA_DURATION_SECONDS: &str = "sagabox_saga_duration_seconds";
+/// Outbox rows published and confirmed, by destination.
+pub const OUTBOX_PUBLISHED_TOTAL: &str = "sagabox_outbox_published_total";
+/// Outbox rows not yet published.
+pub const OUTBOX_PENDING: &str = "sagabox_outbox_pending";
+/// Seconds from an outbox row's commit to the broker's confirm.
+pub const OUTBOX_LAG_SECONDS: &str = "sagabox_outbox_lag_seconds";
+/// Messages dead-lettered, by consumer type and reason.
+pub const DEAD_LETTERS_TOTAL: &str = "sagabox_dead_letters_total";
+
+/// What kind of instrument a metric is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MetricKind {
+    /// Only goes up; rate it.
+    Counter,
+    /// A level that goes up and down.
+    Gauge,
+    /// A distribution of observations (seconds), rendered with buckets.
+    Histogram,
+}
+
+/// One entry of the [`CATALOGUE`].
+#[derive(Debug, Clone, Copy)]
+pub struct MetricSpec {
+    /// The metric's name, as exported.
+    pub name: &'static str,
+    /// Counter, gauge or histogram.
+    pub kind: MetricKind,
+    /// The label names its series carry.
+    pub labels: &'static [&'static str],
+    /// One line on what it counts or measures.
+    pub help: &'static str,
+}
+
+/// Every metric sagabox emits (or, for the outbox relay and dead-lettering, defines for
+/// its transports to emit), with its labels. The exporter describes all of them and
+/// registers each at zero when installed, so a scrape lists every name from the start.
+pub const CATALOGUE: &[MetricSpec] = &[
+    MetricSpec {
+        name: INBOX_MESSAGES_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &["consumer_type", "outcome"],
+        help: "Messages through the inbox guard, by outcome (applied, duplicate, failed).",
+    },
+    MetricSpec {
+        name: INBOX_CLAIM_SECONDS,
+        kind: MetricKind::Histogram,
+        labels: &[],
+        help: "Seconds to begin the transaction and claim the key, waiting for a racing delivery included.",
+    },
+    MetricSpec {
+        name: INBOX_PARTITIONS_CREATED_ON_DEMAND_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &[],
+        help: "Inbox months created by a claim that found its partition missing.",
+    },
+    MetricSpec {
+        name: PRUNER_PARTITIONS_CREATED_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &[],
+        help: "Inbox months created ahead by the pruner.",
+    },
+    MetricSpec {
+        name: PRUNER_PARTITIONS_DROPPED_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &[],
+        help: "Expired inbox months dropped by the pruner.",
+    },
+    MetricSpec {
+        name: PRUNER_FAILURES_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &[],
+        help: "Pruner passes that failed (retried at the next tick).",
+    },
+    MetricSpec {
+        name: INBOX_OLDEST_PARTITION_AGE_SECONDS,
+        kind: MetricKind::Gauge,
+        labels: &[],
+        help: "Age in seconds of the oldest inbox partition's first instant, after the last pruner pass.",
+    },
+    MetricSpec {
+        name: SAGA_STEPS_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &["saga", "step", "direction", "outcome"],
+        help: "Saga step command attempts, by direction (forward, backward) and outcome (done, refused, failed).",
+    },
+    MetricSpec {
+        name: SAGA_STEP_SECONDS,
+        kind: MetricKind::Histogram,
+        labels: &["saga", "step", "direction"],
+        help: "Seconds of one saga step command attempt, send to reply or failure.",
+    },
+    MetricSpec {
+        name: SAGA_RETRIES_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &["saga", "step", "direction"],
+        help: "Saga step command attempts after the first (timeouts, lost replies, retryable failures).",
+    },
+    MetricSpec {
+        name: SAGA_COMPENSATIONS_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &["saga", "trigger"],
+        help: "Sagas that turned to compensating, by trigger (refused, exhausted, rejected).",
+    },
+    MetricSpec {
+        name: SAGA_DURATION_SECONDS,
+        kind: MetricKind::Histogram,
+        labels: &["saga", "status"],
+        help: "Seconds from a saga's creation to its terminal state (completed, compensated).",
+    },
+    MetricSpec {
+        name: OUTBOX_PUBLISHED_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &["destination"],
+        help: "Outbox rows published and confirmed by the broker.",
+    },
+    MetricSpec {
+        name: OUTBOX_PENDING,
+        kind: MetricKind::Gauge,
+        labels: &[],
+        help: "Outbox rows not yet published.",
+    },
+    MetricSpec {
+        name: OUTBOX_LAG_SECONDS,
+        kind: MetricKind::Histogram,
+        labels: &[],
+        help: "Seconds from an outbox row's commit to the broker's publish confirm.",
+    },
+    MetricSpec {
+        name: DEAD_LETTERS_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &["consumer_type", "reason"],
+        help: "Messages dead-lettered instead of processed, by reason.",
+    },
+];
+
+/// Histogram buckets, in seconds, for latencies: 100 µs to 10 s.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0,
+];
+
+/// Histogram buckets, in seconds, for whole sagas and outbox lag: 10 ms to 1 h.
+pub const LONG_BUCKETS: &[f64] = &[
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
+];
 
 pub(crate) fn inbox_message(consumer_type: &ConsumerType, outcome: &'static str) {
     metrics::counter!(
@@ -61,29 +236,122 @@ pub(crate) fn pruner_failure() {
     metrics::counter!(PRUNER_FAILURES_TOTAL).increment(1);
 }
 
-/// Messages dead-lettered by a RabbitMQ consumer, by consumer type and reason.
-pub const DEAD_LETTERS_TOTAL: &str = "sagabox_dead_letters_total";
-/// Outbox rows published by a relay (confirmed by the broker), by destination.
-pub const OUTBOX_PUBLISHED_TOTAL: &str = "sagabox_outbox_published_total";
-/// Seconds from an outbox row's creation to the broker's confirm.
-pub const OUTBOX_LAG_SECONDS: &str = "sagabox_outbox_lag_seconds";
+/// One step command attempt ended: `outcome` is `done`, `refused` or `failed`.
+pub(crate) fn saga_step(
+    saga: &str,
+    step: &str,
+    direction: &'static str,
+    outcome: &'static str,
+    elapsed: Duration,
+    retry: bool,
+) {
+    let labels = [
+        ("saga", saga.to_owned()),
+        ("step", step.to_owned()),
+        ("direction", direction.to_owned()),
+    ];
+    metrics::histogram!(SAGA_STEP_SECONDS, &labels).record(elapsed.as_secs_f64());
+    if retry {
+        metrics::counter!(SAGA_RETRIES_TOTAL, &labels).increment(1);
+    }
+    metrics::counter!(
+        SAGA_STEPS_TOTAL,
+        "saga" => saga.to_owned(),
+        "step" => step.to_owned(),
+        "direction" => direction,
+        "outcome" => outcome
+    )
+    .increment(1);
+}
 
-#[cfg(feature = "rabbitmq")]
-pub(crate) fn dead_letter(consumer_type: &ConsumerType, reason: &'static str) {
+/// A saga turned to compensating: `trigger` is `refused` (a step said no),
+/// `exhausted` (out of attempts) or `rejected` (the inbox refused the command).
+pub(crate) fn saga_compensation(saga: &str, trigger: &'static str) {
+    metrics::counter!(SAGA_COMPENSATIONS_TOTAL, "saga" => saga.to_owned(), "trigger" => trigger)
+        .increment(1);
+}
+
+/// A saga reached its terminal `status` after `elapsed` since its creation.
+pub(crate) fn saga_finished(saga: &str, status: &'static str, elapsed: Duration) {
+    metrics::histogram!(SAGA_DURATION_SECONDS, "saga" => saga.to_owned(), "status" => status)
+        .record(elapsed.as_secs_f64());
+}
+
+/// Records that the relay published an outbox row to `destination` and the broker
+/// confirmed it `lag` after the row was committed.
+pub fn outbox_published(destination: &ConsumerType, lag: Duration) {
+    metrics::counter!(OUTBOX_PUBLISHED_TOTAL, "destination" => destination.as_str().to_owned())
+        .increment(1);
+    metrics::histogram!(OUTBOX_LAG_SECONDS).record(lag.as_secs_f64());
+}
+
+/// Sets the number of outbox rows not yet published.
+pub fn outbox_pending(rows: u64) {
+    metrics::gauge!(OUTBOX_PENDING).set(rows as f64);
+}
+
+/// Records a message dead-lettered by a `consumer_type` for `reason` (a short fixed
+/// word such as `malformed`, `expired`, `pruned`, `future`, `unknown_kind`, `poison`:
+/// never the message text, which would make a series per message).
+pub fn dead_lettered(consumer_type: &str, reason: &'static str) {
     metrics::counter!(
         DEAD_LETTERS_TOTAL,
-        "consumer_type" => consumer_type.as_str().to_owned(),
+        "consumer_type" => consumer_type.to_owned(),
         "reason" => reason
     )
     .increment(1);
 }
 
-#[cfg(feature = "rabbitmq")]
-pub(crate) fn outbox_published(destination: &ConsumerType, lag: Duration) {
-    metrics::counter!(
-        OUTBOX_PUBLISHED_TOTAL,
-        "destination" => destination.as_str().to_owned()
-    )
-    .increment(1);
-    metrics::histogram!(OUTBOX_LAG_SECONDS).record(lag.as_secs_f64());
+/// Describes every catalogued metric to the installed recorder and registers each one,
+/// without labels, at zero: a scrape then lists every name, including those this
+/// process has not emitted yet (an in-process demo never dead-letters or publishes from
+/// an outbox), so dashboards and alert rules resolve from the first scrape. The
+/// label-less zero series adds nothing to a `sum`.
+pub fn register_catalogue() {
+    for spec in CATALOGUE {
+        match spec.kind {
+            MetricKind::Counter => {
+                metrics::describe_counter!(spec.name, spec.help);
+                metrics::counter!(spec.name).increment(0);
+            }
+            MetricKind::Gauge => {
+                metrics::describe_gauge!(spec.name, spec.help);
+                metrics::gauge!(spec.name).increment(0.0);
+            }
+            MetricKind::Histogram => {
+                metrics::describe_histogram!(spec.name, metrics::Unit::Seconds, spec.help);
+                // Registering the handle creates the series with no observations.
+                let _ = metrics::histogram!(spec.name);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn catalogue_names_are_unique_and_prefixed() {
+        let mut names: Vec<&str> = CATALOGUE.iter().map(|spec| spec.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), CATALOGUE.len(), "a name is listed twice");
+        for spec in CATALOGUE {
+            assert!(spec.name.starts_with("sagabox_"), "{}", spec.name);
+            match spec.kind {
+                MetricKind::Counter => assert!(spec.name.ends_with("_total"), "{}", spec.name),
+                MetricKind::Histogram => assert!(spec.name.ends_with("_seconds"), "{}", spec.name),
+                MetricKind::Gauge => assert!(!spec.name.ends_with("_total"), "{}", spec.name),
+            }
+        }
+    }
+
+    #[test]
+    fn buckets_ascend() {
+        for buckets in [LATENCY_BUCKETS, LONG_BUCKETS] {
+            assert!(buckets.windows(2).all(|pair| pair[0] < pair[1]));
+        }
+        assert!(LATENCY_BUCKETS[0] < 0.001, "sub-millisecond resolution");
+    }
 }

@@ -24,15 +24,17 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde_json::{Value, json};
+use tracing::Instrument;
 
 use crate::envelope::{ConsumerType, Envelope};
+use crate::metrics;
 use crate::saga::{Direction, SagaDefinition, SagaInstance, SagaStatus, SagaStore};
 use crate::step::{StepFailure, StepOutcome, StepPool, StepReply};
 
@@ -324,6 +326,7 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                     if !self.save(&mut saga).await {
                         return;
                     }
+                    self.finished(&saga);
                     break;
                 }
                 (SagaStatus::Compensating, Some(i)) if i < steps.len() => {
@@ -334,6 +337,7 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                     if !self.save(&mut saga).await {
                         return;
                     }
+                    self.finished(&saga);
                     break;
                 }
             };
@@ -363,10 +367,47 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
             if saga.attempts > 1 {
                 self.stats.retries.fetch_add(1, Relaxed);
             }
+            let direction_label = match direction {
+                Direction::Forward => "forward",
+                Direction::Backward => "backward",
+            };
+            let span = tracing::debug_span!(
+                "saga.step",
+                saga = self.definition.name(),
+                saga_id = %saga.id,
+                step = step.name(),
+                direction = direction_label,
+                attempt = saga.attempts,
+                outcome = tracing::field::Empty,
+            );
+            let attempt_started = Instant::now();
             let reply = self
                 .dispatch
                 .dispatch(step.consumer_type(), envelope, step.timeout())
+                .instrument(span.clone())
                 .await;
+            let outcome = match &reply {
+                Ok(StepReply {
+                    outcome: StepOutcome::Done(_),
+                    ..
+                }) => "done",
+                Ok(StepReply {
+                    outcome: StepOutcome::Refused(_),
+                    ..
+                }) => "refused",
+                Err(_) => "failed",
+            };
+            span.record("outcome", outcome);
+            // Closing the span here prints the attempt as one line, outcome included.
+            drop(span);
+            metrics::saga_step(
+                self.definition.name(),
+                step.name(),
+                direction_label,
+                outcome,
+                attempt_started.elapsed(),
+                saga.attempts > 1,
+            );
             match (direction, reply) {
                 (_, Ok(reply)) => {
                     if reply.duplicate {
@@ -379,6 +420,7 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                         }
                         (Direction::Forward, StepOutcome::Refused(reason)) => {
                             // Refused for good: nothing applied here; undo the ones before.
+                            metrics::saga_compensation(self.definition.name(), "refused");
                             saga.status = SagaStatus::Compensating;
                             saga.current_step -= 1;
                             saga.last_error = Some(format!("{} refused: {reason}", step.name()));
@@ -409,6 +451,8 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                     if rejected || !step.retry().allows(attempts.saturating_add(1)) {
                         // Out of attempts: it may have applied with its reply lost, so it
                         // is compensated too (compensations are idempotent per message id).
+                        let trigger = if rejected { "rejected" } else { "exhausted" };
+                        metrics::saga_compensation(self.definition.name(), trigger);
                         saga.status = SagaStatus::Compensating;
                         saga.attempts = 0;
                         if !self.save(&mut saga).await {
@@ -440,6 +484,12 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                 }
             }
         }
+    }
+
+    /// Records a saga that reached its terminal state (saved).
+    fn finished(&self, saga: &SagaInstance) {
+        let elapsed = (Utc::now() - saga.created_at).to_std().unwrap_or_default();
+        metrics::saga_finished(self.definition.name(), saga.status.as_str(), elapsed);
     }
 
     async fn load(&self, id: &str) -> Option<SagaInstance> {

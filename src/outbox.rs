@@ -67,6 +67,9 @@ pub trait OutboxReader {
         limit: i64,
     ) -> impl Future<Output = Result<Vec<OutboxRow>, sqlx::Error>> + Send;
 
+    /// How many rows are not yet sent.
+    fn pending_count(&mut self) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
     /// Deletes rows sent before `before`; returns how many. The relay calls it on a
     /// timer: a sent row is only kept for an operator's eyes.
     fn prune_sent(
@@ -175,6 +178,7 @@ async fn claim_sqlite(
     conn.pending(limit).await
 }
 
+const PENDING_COUNT: &str = "SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL";
 const PRUNE_SENT: &str = "DELETE FROM sagabox_outbox WHERE sent_at IS NOT NULL AND sent_at < $1";
 
 fn decode_error(error: KeyError) -> sqlx::Error {
@@ -212,6 +216,13 @@ macro_rules! outbox_impls {
 
             async fn claim(&mut self, limit: i64) -> Result<Vec<OutboxRow>, sqlx::Error> {
                 $claim(self, limit).await
+            }
+
+            async fn pending_count(&mut self) -> Result<u64, sqlx::Error> {
+                let count: i64 = sqlx::query_scalar(PENDING_COUNT)
+                    .fetch_one(&mut *self)
+                    .await?;
+                Ok(u64::try_from(count).unwrap_or(0))
             }
 
             async fn prune_sent(&mut self, before: DateTime<Utc>) -> Result<u64, sqlx::Error> {

@@ -96,6 +96,17 @@ pub trait InboxStore: Debug + Send + Sync + 'static {
         result: &Value,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
+    /// Counts one more duplicate on the row `first` was read from (the key's first
+    /// delivery), with `at` as its latest duplicate's time, inside the claim's
+    /// transaction. Touches no other row; a row that is gone changes nothing.
+    fn record_duplicate(
+        &self,
+        tx: &mut Transaction<'static, Self::Db>,
+        key: &ClaimKey<'_>,
+        first: &FirstDelivery,
+        at: DateTime<Utc>,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
     /// Creates the partition for `month` unless it exists or the month was already
     /// pruned (a pruned month is never created again).
     fn create_partition(

@@ -422,7 +422,7 @@ impl<H: DeliveryHandler> Work<H> {
             .await?;
         self.ack(delivery).await?;
         self.stats.dead_lettered.fetch_add(1, Relaxed);
-        crate::metrics::dead_letter(&self.options.consumer_type, reason);
+        crate::metrics::dead_lettered(self.options.consumer_type.as_str(), reason);
         Ok(())
     }
 

@@ -344,5 +344,10 @@ where
             Ok(_) => {}
             Err(error) => tracing::warn!(%error, "pruning sent outbox rows failed"),
         }
+        if let Ok(mut conn) = self.source.pool().acquire().await
+            && let Ok(pending) = (*conn).pending_count().await
+        {
+            crate::metrics::outbox_pending(pending);
+        }
     }
 }

@@ -7,13 +7,14 @@ use std::time::Instant;
 use chrono::{DateTime, TimeDelta, Utc};
 use serde_json::Value;
 use sqlx::Database;
+use tracing::Instrument;
 
 use crate::clock::{Clock, SystemClock};
 use crate::envelope::{ConsumerType, Envelope};
 use crate::inbox::{ConfigError, GuardError, InboxConfig, InboxError, Outcome};
 use crate::metrics;
 use crate::month::Month;
-use crate::store::{ClaimKey, InboxStore, PartitionCreation};
+use crate::store::{ClaimKey, FirstDelivery, InboxStore, PartitionCreation};
 
 /// The dedup gate every consumed message passes.
 ///
@@ -99,11 +100,22 @@ impl<S: InboxStore> InboxGuard<S> {
     where
         F: AsyncFnOnce(&mut <S::Db as Database>::Connection, &Envelope) -> Result<Value, E>,
     {
-        let result = self.process_inner(consumer_type, envelope, handler).await;
+        let span = tracing::debug_span!(
+            "inbox.process",
+            consumer_type = %consumer_type,
+            message_id = %envelope.id,
+            saga_id = envelope.saga_id.as_deref(),
+            outcome = tracing::field::Empty,
+        );
+        let result = self
+            .process_inner(consumer_type, envelope, handler)
+            .instrument(span.clone())
+            .await;
         let label = match &result {
             Ok(outcome) => outcome.label(),
             Err(_) => "failed",
         };
+        span.record("outcome", label);
         metrics::inbox_message(consumer_type, label);
         result
     }
@@ -134,7 +146,7 @@ impl<S: InboxStore> InboxGuard<S> {
         };
         metrics::claim_duration(claim_started.elapsed());
         if let Some(first) = first {
-            tx.rollback().await?;
+            self.count_duplicate(tx, &key, &first, now).await;
             return Ok(Outcome::Duplicate {
                 first_processed_at: first.processed_at,
                 result: first.result,
@@ -169,11 +181,15 @@ impl<S: InboxStore> InboxGuard<S> {
             // all back and answer with the row that won.
             tx.rollback().await?;
             let (tx, first) = self.store.begin_claim(&key).await?;
-            tx.rollback().await?;
-            let first = first.ok_or_else(|| InboxError::ClaimVanished {
-                consumer_type: consumer_type.clone(),
-                message_id: envelope.id.clone(),
-            })?;
+            let Some(first) = first else {
+                tx.rollback().await?;
+                return Err(InboxError::ClaimVanished {
+                    consumer_type: consumer_type.clone(),
+                    message_id: envelope.id.clone(),
+                }
+                .into());
+            };
+            self.count_duplicate(tx, &key, &first, now).await;
             tracing::debug!(
                 consumer_type = %consumer_type,
                 message_id = %envelope.id,
@@ -186,6 +202,34 @@ impl<S: InboxStore> InboxGuard<S> {
         }
         tx.commit().await?;
         Ok(Outcome::Applied(result))
+    }
+
+    /// Adds one to the duplicates recorded on the first delivery's row, in the claim's
+    /// transaction (which still holds the key), and commits; `sagabox inspect` reads the
+    /// counts from there. Only the duplicate path pays for it. A failure here only loses
+    /// a count: it is logged and the duplicate is still answered.
+    async fn count_duplicate(
+        &self,
+        mut tx: sqlx::Transaction<'static, S::Db>,
+        key: &ClaimKey<'_>,
+        first: &FirstDelivery,
+        now: DateTime<Utc>,
+    ) {
+        let counted = match self.store.record_duplicate(&mut tx, key, first, now).await {
+            Ok(()) => tx.commit().await,
+            Err(error) => {
+                tx.rollback().await.ok();
+                Err(error)
+            }
+        };
+        if let Err(error) = counted {
+            tracing::warn!(
+                consumer_type = %key.consumer_type,
+                message_id = %key.message_id,
+                %error,
+                "duplicate answered but not counted in the inbox row"
+            );
+        }
     }
 
     /// Runs `handler` in a plain transaction **without the inbox**: no claim, no record,

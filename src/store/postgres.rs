@@ -201,6 +201,40 @@ impl InboxStore for PostgresStore {
         Ok(done.rows_affected() == 1)
     }
 
+    async fn record_duplicate(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        key: &ClaimKey<'_>,
+        first: &FirstDelivery,
+        at: DateTime<Utc>,
+    ) -> Result<(), sqlx::Error> {
+        // The count is a statistic: this transaction commits without waiting for its
+        // WAL flush (a crash may lose the last few counts, never a claim), so the
+        // duplicate path costs an UPDATE, not an fsync. The CTE is evaluated with the
+        // update, in the same round trip. With a bucket the row's partition is named
+        // directly (see `claim_sql` on generic plans); without one, the parent is
+        // searched for the row the claim returned.
+        let target = if key.probe_all {
+            "sagabox_inbox".to_owned()
+        } else {
+            partition_name(key.bucket)
+        };
+        sqlx::query(AssertSqlSafe(format!(
+            "WITH async_commit AS (SELECT set_config('synchronous_commit', 'off', true)) \
+             UPDATE {target} SET duplicates = duplicates + 1, \
+                    last_duplicate_at = GREATEST(last_duplicate_at, $4) \
+             FROM async_commit \
+             WHERE consumer_type = $1 AND message_id = $2 AND processed_at = $3"
+        )))
+        .bind(key.consumer_type.as_str())
+        .bind(key.message_id.as_str())
+        .bind(first.processed_at)
+        .bind(at)
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+
     async fn create_partition(&self, month: Month) -> Result<PartitionCreation, sqlx::Error> {
         let name = partition_name(month);
         let mut tx = self.pool.begin().await?;

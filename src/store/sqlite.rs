@@ -81,6 +81,37 @@ async fn list_tables(conn: &mut SqliteConnection) -> Result<Vec<Month>, sqlx::Er
     Ok(months)
 }
 
+/// The columns a monthly table gained after it was first shipped, with their DDL.
+/// Monthly tables are created at run time, so no static migration can reach the ones
+/// that exist; [`SqliteStore::migrate`] adds what is missing to each.
+const ADDED_COLUMNS: [(&str, &str); 2] = [
+    ("duplicates", "duplicates INTEGER NOT NULL DEFAULT 0"),
+    ("last_duplicate_at", "last_duplicate_at TEXT"),
+];
+
+/// Brings every existing monthly table to the current columns, in one write
+/// transaction (idempotent: a table that has a column is left alone).
+async fn upgrade_tables(pool: &SqlitePool) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+    for month in list_tables(&mut tx).await? {
+        let table = table_name(month);
+        let columns: Vec<String> = sqlx::query_scalar("SELECT name FROM pragma_table_info($1)")
+            .bind(&table)
+            .fetch_all(&mut *tx)
+            .await?;
+        for (column, ddl) in ADDED_COLUMNS {
+            if !columns.iter().any(|name| name == column) {
+                sqlx::query(AssertSqlSafe(format!(
+                    "ALTER TABLE {table} ADD COLUMN {ddl}"
+                )))
+                .execute(&mut *tx)
+                .await?;
+            }
+        }
+    }
+    tx.commit().await
+}
+
 /// The newest pruned month, if any.
 async fn pruned_through(conn: &mut SqliteConnection) -> Result<Option<Month>, sqlx::Error> {
     let through: Option<String> =
@@ -167,6 +198,41 @@ impl InboxStore for SqliteStore {
         Ok(done.rows_affected() == 1)
     }
 
+    async fn record_duplicate(
+        &self,
+        tx: &mut Transaction<'static, Sqlite>,
+        key: &ClaimKey<'_>,
+        _first: &FirstDelivery,
+        at: DateTime<Utc>,
+    ) -> Result<(), sqlx::Error> {
+        // A message without a stable time may have its first row in any live month.
+        // Claims run one at a time under the write lock, so a key has one row at most
+        // across the months: the first table that has it is the one.
+        let months = if key.probe_all {
+            list_tables(&mut *tx).await?
+        } else {
+            vec![key.bucket]
+        };
+        for month in months {
+            let sql = format!(
+                "UPDATE {} SET duplicates = duplicates + 1, \
+                        last_duplicate_at = MAX(COALESCE(last_duplicate_at, ''), $3) \
+                 WHERE consumer_type = $1 AND message_id = $2",
+                table_name(month)
+            );
+            let done = sqlx::query(AssertSqlSafe(sql))
+                .bind(key.consumer_type.as_str())
+                .bind(key.message_id.as_str())
+                .bind(at)
+                .execute(&mut **tx)
+                .await?;
+            if done.rows_affected() > 0 {
+                break;
+            }
+        }
+        Ok(())
+    }
+
     async fn create_partition(&self, month: Month) -> Result<PartitionCreation, sqlx::Error> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         if pruned_through(&mut tx)
@@ -186,6 +252,8 @@ impl InboxStore for SqliteStore {
                message_id TEXT NOT NULL, \
                processed_at TEXT NOT NULL, \
                result TEXT NOT NULL, \
+               duplicates INTEGER NOT NULL DEFAULT 0, \
+               last_duplicate_at TEXT, \
                PRIMARY KEY (consumer_type, message_id)\
              ) WITHOUT ROWID",
             table_name(month)
@@ -230,6 +298,9 @@ impl InboxStore for SqliteStore {
     }
 
     async fn migrate(&self) -> Result<(), MigrateError> {
-        MIGRATOR.run(&self.pool).await
+        MIGRATOR.run(&self.pool).await?;
+        upgrade_tables(&self.pool)
+            .await
+            .map_err(MigrateError::Execute)
     }
 }

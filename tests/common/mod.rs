@@ -7,6 +7,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod rabbit;
+pub mod scrape;
 
 use std::path::PathBuf;
 

@@ -1,4 +1,4 @@
-//! The `sagabox` command line: `demo`, `serve`, `migrate`, `prune`, `bench`.
+//! The `sagabox` command line: `demo`, `serve`, `migrate`, `prune`, `inspect`, `bench`.
 
 mod bench;
 
@@ -8,11 +8,33 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use sagabox::InboxConfig;
 use sagabox::database::{migrate, prune, redact};
+use sagabox::inspect::{InspectOptions, inspect};
+use sagabox::telemetry::{LogFormat, init_tracing};
+
+/// Starts the Prometheus endpoint, or says why the build has none.
+fn start_metrics(addr: &str) -> Result<(), String> {
+    #[cfg(feature = "prometheus")]
+    {
+        let listening = sagabox::metrics::install_prometheus(addr).map_err(|e| e.to_string())?;
+        eprintln!("metrics at http://{listening}/metrics");
+        Ok(())
+    }
+    #[cfg(not(feature = "prometheus"))]
+    {
+        Err(format!(
+            "--metrics-addr {addr}: this build has no Prometheus endpoint; rebuild with the `prometheus` feature"
+        ))
+    }
+}
 
 /// Saga participants that process every message effectively exactly once.
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Cli {
+    /// Log lines on stderr: human or json (one object per line). RUST_LOG filters them
+    /// (default: warn; RUST_LOG=sagabox=debug shows a line per message and step attempt).
+    #[arg(long, global = true, default_value_t = LogFormat::Human, env = "SAGABOX_LOG_FORMAT")]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -66,6 +88,9 @@ enum Command {
         /// orders and orchestrates (with --transport).
         #[arg(long, requires = "transport")]
         external_participants: bool,
+        /// Serve Prometheus metrics at HOST:PORT while the demo runs (e.g. 127.0.0.1:9464).
+        #[arg(long, value_name = "HOST:PORT")]
+        metrics_addr: Option<String>,
     },
     /// Run checkout participants over RabbitMQ until interrupted (Ctrl-C or SIGTERM):
     /// each role consumes sagabox.<role> through its inbox and replies.
@@ -99,6 +124,28 @@ enum Command {
         /// Seed of the injected failures.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Serve Prometheus metrics at HOST:PORT while the demo runs (e.g. 127.0.0.1:9464).
+        #[arg(long, value_name = "HOST:PORT")]
+        metrics_addr: Option<String>,
+    },
+    /// Show the inbox's partitions and reach, duplicates suppressed, sagas by status and
+    /// the outbox's backlog, counted from the tables, with warnings for what needs a person.
+    Inspect {
+        /// postgres://user@host:port/db or sqlite:path/to/file.db
+        #[arg(long, env = "DATABASE_URL", default_value = "sqlite:sagabox.db")]
+        database_url: String,
+        /// Days a message stays deduplicated (as the inbox is configured).
+        #[arg(long, default_value_t = 30)]
+        ttl_days: u64,
+        /// The broker's maximum redelivery window, in days (SQS: 14).
+        #[arg(long, default_value_t = 14)]
+        broker_retention_days: u64,
+        /// Months ahead of the current one that should have partitions.
+        #[arg(long, default_value_t = 2)]
+        partitions_ahead: u32,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
     },
     /// Run the migrations and create the current and upcoming inbox partitions.
     Migrate {
@@ -255,16 +302,24 @@ async fn serve(
         .map_err(|e| e.to_string())
 }
 
+/// The inbox configuration the `prune` and `inspect` flags describe.
+fn inbox_config(ttl_days: u64, broker_retention_days: u64, partitions_ahead: u32) -> InboxConfig {
+    const DAY: u64 = 86_400;
+    InboxConfig::default()
+        .with_ttl(Duration::from_secs(ttl_days.saturating_mul(DAY)))
+        .with_broker_retention(Duration::from_secs(
+            broker_retention_days.saturating_mul(DAY),
+        ))
+        .with_partitions_ahead(partitions_ahead)
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    if let Err(error) = init_tracing(cli.log_format) {
+        eprintln!("sagabox: {error}");
+        return ExitCode::FAILURE;
+    }
     match cli.command {
         Command::Demo {
             database_url,
@@ -281,7 +336,14 @@ async fn main() -> ExitCode {
             transport,
             queue_prefix,
             external_participants,
+            metrics_addr,
         } => {
+            if let Some(addr) = metrics_addr
+                && let Err(error) = start_metrics(&addr)
+            {
+                eprintln!("sagabox demo: {error}");
+                return ExitCode::FAILURE;
+            }
             let config = sagabox::demo::DemoConfig {
                 orders,
                 concurrency,
@@ -314,7 +376,14 @@ async fn main() -> ExitCode {
             workers,
             fail_rate,
             seed,
+            metrics_addr,
         } => {
+            if let Some(addr) = metrics_addr
+                && let Err(error) = start_metrics(&addr)
+            {
+                eprintln!("sagabox serve: {error}");
+                return ExitCode::FAILURE;
+            }
             let served = serve(
                 role,
                 amqp_url,
@@ -341,13 +410,7 @@ async fn main() -> ExitCode {
             broker_retention_days,
             partitions_ahead,
         } => {
-            const DAY: u64 = 86_400;
-            let config = InboxConfig::default()
-                .with_ttl(Duration::from_secs(ttl_days.saturating_mul(DAY)))
-                .with_broker_retention(Duration::from_secs(
-                    broker_retention_days.saturating_mul(DAY),
-                ))
-                .with_partitions_ahead(partitions_ahead);
+            let config = inbox_config(ttl_days, broker_retention_days, partitions_ahead);
             match prune(&database_url, config, dry_run).await {
                 Ok(pass) => {
                     let list = |months: &[sagabox::Month]| {
@@ -379,6 +442,19 @@ async fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+        Command::Inspect {
+            database_url,
+            ttl_days,
+            broker_retention_days,
+            partitions_ahead,
+            json,
+        } => {
+            let options = InspectOptions {
+                config: inbox_config(ttl_days, broker_retention_days, partitions_ahead),
+                ..InspectOptions::default()
+            };
+            report("inspect", inspect(&database_url, &options).await, json)
         }
         Command::Bench {
             database_url,

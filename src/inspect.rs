@@ -1,0 +1,801 @@
+//! `sagabox inspect`: what an operator needs to know about a database, read from its
+//! tables — the inbox's monthly partitions (rows, size on disk), how far back the inbox
+//! still deduplicates against the TTL and the broker's retention, partitions missing
+//! ahead, duplicates suppressed per consumer type, sagas by status and the oldest
+//! unfinished one, and the outbox's backlog. [`inspect`] returns an [`InspectReport`]:
+//! `Display` renders a table for people, `serde` one JSON object for scripts.
+//!
+//! Everything is counted by SQL at the moment of the call (nothing from any process's
+//! memory), so the figures match what a `SELECT COUNT(*)` would say. Counting reads
+//! every inbox row once: on a very large inbox it takes as long as a sequential scan.
+//! Nothing is written.
+//!
+//! Duplicates are counted on the inbox rows themselves: the guard's duplicate path adds
+//! one to the first delivery's row (`duplicates`) and stamps `last_duplicate_at`. The
+//! last-hour and last-day figures therefore count every duplicate of the messages whose
+//! *latest* duplicate fell in the window — an upper bound when one message was
+//! redelivered both before and inside the window. Rows in pruned months take their
+//! counts with them.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use chrono::{DateTime, TimeDelta, Utc};
+use serde::Serialize;
+
+use crate::database::{Backend, redact};
+use crate::inbox::{ConfigError, InboxConfig};
+use crate::month::Month;
+
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+
+/// Why a database could not be inspected.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InspectError {
+    /// The URL names no supported database (password redacted).
+    #[error("unsupported database url {0}; use postgres://… or sqlite:…")]
+    UnsupportedUrl(String),
+    /// The database is missing or has not had sagabox's migrations (all of them).
+    #[error(
+        "{url} is not a sagabox database at the current version ({what}); run `sagabox migrate --database-url …` first"
+    )]
+    NotMigrated {
+        /// The database, password redacted.
+        url: String,
+        /// What was missing.
+        what: String,
+    },
+    /// The options given are unsafe or inconsistent.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The database refused a query or could not be reached.
+    #[error("database error while inspecting {url}: {source}")]
+    Database {
+        /// The database, password redacted.
+        url: String,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+}
+
+/// What `inspect` compares the database against.
+#[derive(Debug, Clone)]
+pub struct InspectOptions {
+    /// The TTL, broker retention and partitions ahead the inbox is run with.
+    /// Defaults to [`InboxConfig::default`].
+    pub config: InboxConfig,
+    /// A margin between the inbox's reach and the broker's redelivery window below this
+    /// is reported as thin. Defaults to 7 days.
+    pub thin_margin: Duration,
+    /// An unfinished saga created longer ago than this is reported as stuck.
+    /// Defaults to 1 hour.
+    pub stuck_after: Duration,
+    /// A pending outbox row older than this is reported as a stalled relay.
+    /// Defaults to 5 minutes.
+    pub outbox_stalled_after: Duration,
+}
+
+impl Default for InspectOptions {
+    fn default() -> Self {
+        Self {
+            config: InboxConfig::default(),
+            thin_margin: Duration::from_secs(7 * 86_400),
+            stuck_after: Duration::from_secs(3_600),
+            outbox_stalled_after: Duration::from_secs(300),
+        }
+    }
+}
+
+/// One monthly inbox partition.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PartitionReport {
+    /// The month, `YYYY-MM`.
+    pub month: String,
+    /// Rows in it (exact).
+    pub rows: i64,
+    /// Bytes on disk, indexes included; `None` where the database cannot say.
+    pub bytes: Option<i64>,
+}
+
+/// Duplicates the inbox suppressed for one consumer type, from its rows.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DuplicateReport {
+    /// The consumer type.
+    pub consumer_type: String,
+    /// Duplicates on messages whose latest duplicate was in the last hour.
+    pub last_hour: i64,
+    /// Duplicates on messages whose latest duplicate was in the last 24 hours.
+    pub last_day: i64,
+    /// Every duplicate counted on the rows still in the inbox.
+    pub in_inbox: i64,
+}
+
+/// How far back the inbox deduplicates, against the TTL and the broker.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RetentionReport {
+    /// The configured TTL, in days.
+    pub ttl_days: f64,
+    /// The broker's maximum redelivery window, in days.
+    pub broker_retention_days: f64,
+    /// The oldest partition still present, `YYYY-MM`.
+    pub oldest_partition: Option<String>,
+    /// Age of the oldest partition's first instant, in days.
+    pub oldest_partition_age_days: Option<f64>,
+    /// The newest month pruned, `YYYY-MM`; `None` when nothing was ever pruned.
+    pub pruned_through: Option<String>,
+    /// Messages filed at or after this are still deduplicated; `None`: everything
+    /// since the inbox was created (nothing pruned).
+    pub covered_from: Option<DateTime<Utc>>,
+    /// How many days further back than the broker's window the inbox reaches; `None`
+    /// when nothing was pruned (no limit yet). Negative: redeliveries the broker may
+    /// still make would be refused as filed in a pruned month.
+    pub margin_days: Option<f64>,
+}
+
+/// An unfinished saga.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SagaRow {
+    /// The saga instance id.
+    pub id: String,
+    /// Its definition's name.
+    pub saga_name: String,
+    /// `running` or `compensating`.
+    pub status: String,
+    /// The step it is at.
+    pub current_step: i64,
+    /// Attempts of that step so far.
+    pub attempts: i64,
+    /// When it was created.
+    pub created_at: DateTime<Utc>,
+    /// When it last changed.
+    pub updated_at: DateTime<Utc>,
+    /// Its last failure.
+    pub last_error: Option<String>,
+}
+
+/// Sagas by status.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SagaReport {
+    /// Instances per status (`running`, `compensating`, `completed`, `compensated`).
+    pub by_status: BTreeMap<String, i64>,
+    /// The unfinished instance created first.
+    pub oldest_unfinished: Option<SagaRow>,
+}
+
+/// The outbox's backlog.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OutboxReport {
+    /// Rows not yet published.
+    pub pending: i64,
+    /// When the oldest of them was written.
+    pub oldest_pending_at: Option<DateTime<Utc>>,
+}
+
+/// Everything `sagabox inspect` prints.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct InspectReport {
+    /// The database, password redacted.
+    pub database: String,
+    /// `postgres` or `sqlite`.
+    pub backend: &'static str,
+    /// When it was inspected.
+    pub at: DateTime<Utc>,
+    /// The inbox's partitions, oldest first.
+    pub partitions: Vec<PartitionReport>,
+    /// Months from the current one to `partitions_ahead` later with no partition.
+    pub missing_ahead: Vec<String>,
+    /// Reach of the inbox against the TTL and the broker.
+    pub retention: RetentionReport,
+    /// Duplicates suppressed, per consumer type (those with any).
+    pub duplicates: Vec<DuplicateReport>,
+    /// Sagas by status.
+    pub sagas: SagaReport,
+    /// The outbox's backlog.
+    pub outbox: OutboxReport,
+    /// What needs a person's attention, one sentence each; empty when all is well.
+    pub warnings: Vec<String>,
+}
+
+/// What a backend reads; [`assess`] turns it into a report.
+#[derive(Debug, Clone, Default)]
+struct Facts {
+    partitions: Vec<(Month, i64, Option<i64>)>,
+    pruned_through: Option<Month>,
+    duplicates: Vec<DuplicateReport>,
+    sagas_by_status: BTreeMap<String, i64>,
+    oldest_unfinished: Option<SagaRow>,
+    outbox_pending: i64,
+    oldest_pending_at: Option<DateTime<Utc>>,
+}
+
+/// Inspects the database at `url` now. See [`inspect_at`].
+pub async fn inspect(url: &str, options: &InspectOptions) -> Result<InspectReport, InspectError> {
+    inspect_at(url, options, Utc::now()).await
+}
+
+/// Inspects the database at `url` as of `now` (windows, ages and margins are measured
+/// from it). Reads only; refuses a database without sagabox's current migrations.
+pub async fn inspect_at(
+    url: &str,
+    options: &InspectOptions,
+    now: DateTime<Utc>,
+) -> Result<InspectReport, InspectError> {
+    options.config.validate()?;
+    let backend = Backend::of(url).map_err(|_| InspectError::UnsupportedUrl(redact(url)))?;
+    let windows = [now - TimeDelta::hours(1), now - TimeDelta::days(1)];
+    let (name, facts) = match backend {
+        #[cfg(feature = "postgres")]
+        Backend::Postgres => ("postgres", postgres::facts(url, windows).await?),
+        #[cfg(feature = "sqlite")]
+        Backend::Sqlite => ("sqlite", sqlite::facts(url, windows).await?),
+        #[allow(unreachable_patterns)]
+        _ => return Err(InspectError::UnsupportedUrl(redact(url))),
+    };
+    Ok(assess(redact(url), name, facts, options, now))
+}
+
+/// The error for a failed query on `url`.
+fn database_error(url: &str) -> impl Fn(sqlx::Error) -> InspectError + '_ {
+    move |source| InspectError::Database {
+        url: redact(url),
+        source,
+    }
+}
+
+fn days(delta: TimeDelta) -> f64 {
+    delta.num_seconds() as f64 / 86_400.0
+}
+
+fn to_delta(duration: Duration) -> TimeDelta {
+    TimeDelta::from_std(duration).unwrap_or(TimeDelta::MAX)
+}
+
+/// The policy: figures from facts, and a warning for each thing a person should act on.
+fn assess(
+    database: String,
+    backend: &'static str,
+    facts: Facts,
+    options: &InspectOptions,
+    now: DateTime<Utc>,
+) -> InspectReport {
+    let config = &options.config;
+    let ttl = to_delta(config.ttl);
+    let retention = to_delta(config.broker_retention);
+    let mut warnings = Vec::new();
+
+    let present: Vec<Month> = facts.partitions.iter().map(|(m, ..)| *m).collect();
+    let missing_ahead: Vec<Month> = match Month::of(now) {
+        Ok(current) => current
+            .through(current.plus(config.partitions_ahead))
+            .filter(|month| !present.contains(month))
+            .filter(|month| facts.pruned_through.is_none_or(|through| *month > through))
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    if !missing_ahead.is_empty() {
+        let list: Vec<String> = missing_ahead.iter().map(ToString::to_string).collect();
+        warnings.push(format!(
+            "partitions missing for {}: claims will create them on demand; run `sagabox prune` \
+             (or start the pruner) to create them ahead",
+            list.join(", ")
+        ));
+    }
+
+    let oldest = present.first().copied();
+    let covered_from = facts.pruned_through.map(Month::end);
+    let margin = covered_from.map(|from| (now - retention) - from);
+    if let Some(margin) = margin {
+        if margin < TimeDelta::zero() {
+            warnings.push(format!(
+                "the inbox no longer covers the broker's redelivery window: messages filed \
+                 before {} were pruned, but the broker may redeliver messages up to {:.1} \
+                 days old; they would be refused as pruned. Raise the TTL",
+                covered_from.map_or_else(String::new, |t| t.to_rfc3339()),
+                days(retention)
+            ));
+        } else if margin < to_delta(options.thin_margin) {
+            warnings.push(format!(
+                "thin retention margin: the inbox reaches only {:.1} days further back than \
+                 the broker's {:.1}-day redelivery window; raise the TTL",
+                days(margin),
+                days(retention)
+            ));
+        }
+    }
+    if ttl - retention < to_delta(options.thin_margin) {
+        warnings.push(format!(
+            "the TTL ({:.1} days) leaves less than {:.1} days over the broker retention \
+             ({:.1} days): a late pruner or clock skew eats the margin",
+            days(ttl),
+            days(to_delta(options.thin_margin)),
+            days(retention)
+        ));
+    }
+    // Grace of a day: the pruner runs on an interval, not at the instant a month expires.
+    if let Some(month) = oldest
+        && month.end() + TimeDelta::days(1) <= now - ttl
+    {
+        warnings.push(format!(
+            "partition {month} expired more than a day ago and is still here: is the pruner \
+             running? Run `sagabox prune` by hand and check its errors"
+        ));
+    }
+
+    if let Some(saga) = &facts.oldest_unfinished
+        && now - saga.created_at > to_delta(options.stuck_after)
+    {
+        warnings.push(format!(
+            "saga {} ({}) has been {} since {} (step {}, {} attempts; last error: {}): \
+             see \"stuck saga\" in docs/operations.md",
+            saga.id,
+            saga.saga_name,
+            saga.status,
+            saga.created_at.to_rfc3339(),
+            saga.current_step,
+            saga.attempts,
+            saga.last_error.as_deref().unwrap_or("none")
+        ));
+    }
+    if let Some(at) = facts.oldest_pending_at
+        && now - at > to_delta(options.outbox_stalled_after)
+    {
+        warnings.push(format!(
+            "{} outbox rows pending, the oldest written {}: is the relay running? \
+             See \"growing outbox\" in docs/operations.md",
+            facts.outbox_pending,
+            at.to_rfc3339()
+        ));
+    }
+
+    InspectReport {
+        database,
+        backend,
+        at: now,
+        partitions: facts
+            .partitions
+            .iter()
+            .map(|(month, rows, bytes)| PartitionReport {
+                month: month.to_string(),
+                rows: *rows,
+                bytes: *bytes,
+            })
+            .collect(),
+        missing_ahead: missing_ahead.iter().map(ToString::to_string).collect(),
+        retention: RetentionReport {
+            ttl_days: days(ttl),
+            broker_retention_days: days(retention),
+            oldest_partition: oldest.map(|m| m.to_string()),
+            oldest_partition_age_days: oldest.map(|m| days(now - m.start())),
+            pruned_through: facts.pruned_through.map(|m| m.to_string()),
+            covered_from,
+            margin_days: margin.map(days),
+        },
+        duplicates: facts.duplicates,
+        sagas: SagaReport {
+            by_status: facts.sagas_by_status,
+            oldest_unfinished: facts.oldest_unfinished,
+        },
+        outbox: OutboxReport {
+            pending: facts.outbox_pending,
+            oldest_pending_at: facts.oldest_pending_at,
+        },
+        warnings,
+    }
+}
+
+/// Adds `(consumer_type, last_hour, last_day, in_inbox)` counts into `into`, keeping it
+/// sorted by consumer type (backends that read month by month call it per month).
+fn merge_duplicates(into: &mut Vec<DuplicateReport>, row: DuplicateReport) {
+    match into
+        .iter_mut()
+        .find(|known| known.consumer_type == row.consumer_type)
+    {
+        Some(known) => {
+            known.last_hour += row.last_hour;
+            known.last_day += row.last_day;
+            known.in_inbox += row.in_inbox;
+        }
+        None => {
+            into.push(row);
+            into.sort_by(|a, b| a.consumer_type.cmp(&b.consumer_type));
+        }
+    }
+}
+
+fn human_bytes(bytes: Option<i64>) -> String {
+    let Some(bytes) = bytes else {
+        return "n/a".to_owned();
+    };
+    let mut value = bytes as f64;
+    for unit in ["B", "KiB", "MiB", "GiB"] {
+        if value < 1024.0 {
+            return if unit == "B" {
+                format!("{bytes} B")
+            } else {
+                format!("{value:.1} {unit}")
+            };
+        }
+        value /= 1024.0;
+    }
+    format!("{value:.1} TiB")
+}
+
+fn age(now: DateTime<Utc>, then: DateTime<Utc>) -> String {
+    let seconds = (now - then).num_seconds().max(0);
+    match seconds {
+        s if s < 120 => format!("{s} s ago"),
+        s if s < 7_200 => format!("{} min ago", s / 60),
+        s if s < 172_800 => format!("{} h ago", s / 3_600),
+        s => format!("{} days ago", s / 86_400),
+    }
+}
+
+impl fmt::Display for InspectReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "sagabox inspect {} ({}) at {}",
+            self.database,
+            self.backend,
+            self.at.format("%Y-%m-%d %H:%M:%S UTC")
+        )?;
+
+        writeln!(f, "\ninbox partitions")?;
+        writeln!(f, "  {:<9} {:>12} {:>12}", "month", "rows", "size")?;
+        for p in &self.partitions {
+            writeln!(
+                f,
+                "  {:<9} {:>12} {:>12}",
+                p.month,
+                p.rows,
+                human_bytes(p.bytes)
+            )?;
+        }
+        let total: i64 = self.partitions.iter().map(|p| p.rows).sum();
+        writeln!(f, "  {:<9} {:>12}", "total", total)?;
+        let missing = if self.missing_ahead.is_empty() {
+            "none".to_owned()
+        } else {
+            self.missing_ahead.join(", ")
+        };
+        writeln!(f, "  missing ahead        {missing}")?;
+
+        let r = &self.retention;
+        writeln!(f, "\nretention")?;
+        writeln!(f, "  ttl                  {:.1} days", r.ttl_days)?;
+        writeln!(
+            f,
+            "  broker retention     {:.1} days",
+            r.broker_retention_days
+        )?;
+        match (&r.oldest_partition, r.oldest_partition_age_days) {
+            (Some(month), Some(age)) => writeln!(
+                f,
+                "  oldest partition     {month} (first day {age:.1} days ago)"
+            )?,
+            _ => writeln!(f, "  oldest partition     none")?,
+        }
+        writeln!(
+            f,
+            "  pruned through       {}",
+            r.pruned_through.as_deref().unwrap_or("nothing pruned yet")
+        )?;
+        match (r.covered_from, r.margin_days) {
+            (Some(from), Some(margin)) => {
+                writeln!(
+                    f,
+                    "  deduplicates from    {}",
+                    from.format("%Y-%m-%d %H:%M UTC")
+                )?;
+                writeln!(
+                    f,
+                    "  margin over broker   {margin:.1} days{}",
+                    if margin < 0.0 { "  (NEGATIVE)" } else { "" }
+                )?;
+            }
+            _ => {
+                writeln!(
+                    f,
+                    "  deduplicates from    the first message (nothing pruned)"
+                )?;
+                writeln!(f, "  margin over broker   unlimited so far")?;
+            }
+        }
+
+        writeln!(f, "\nduplicates suppressed (from the inbox rows)")?;
+        writeln!(
+            f,
+            "  {:<24} {:>10} {:>10} {:>10}",
+            "consumer type", "last hour", "last day", "in inbox"
+        )?;
+        for d in &self.duplicates {
+            writeln!(
+                f,
+                "  {:<24} {:>10} {:>10} {:>10}",
+                d.consumer_type, d.last_hour, d.last_day, d.in_inbox
+            )?;
+        }
+        let sum =
+            |pick: fn(&DuplicateReport) -> i64| -> i64 { self.duplicates.iter().map(pick).sum() };
+        writeln!(
+            f,
+            "  {:<24} {:>10} {:>10} {:>10}",
+            "total",
+            sum(|d| d.last_hour),
+            sum(|d| d.last_day),
+            sum(|d| d.in_inbox)
+        )?;
+
+        writeln!(f, "\nsagas")?;
+        for status in ["running", "compensating", "completed", "compensated"] {
+            let count = self.sagas.by_status.get(status).copied().unwrap_or(0);
+            writeln!(f, "  {status:<20} {count}")?;
+        }
+        for (status, count) in &self.sagas.by_status {
+            if !["running", "compensating", "completed", "compensated"].contains(&status.as_str()) {
+                writeln!(f, "  {status:<20} {count}")?;
+            }
+        }
+        match &self.sagas.oldest_unfinished {
+            Some(s) => writeln!(
+                f,
+                "  oldest unfinished    {} ({}, {}, step {}, created {})",
+                s.id,
+                s.saga_name,
+                s.status,
+                s.current_step,
+                age(self.at, s.created_at)
+            )?,
+            None => writeln!(f, "  oldest unfinished    none")?,
+        }
+
+        writeln!(f, "\noutbox")?;
+        writeln!(f, "  pending              {}", self.outbox.pending)?;
+        match self.outbox.oldest_pending_at {
+            Some(at) => writeln!(f, "  oldest pending       written {}", age(self.at, at))?,
+            None => writeln!(f, "  oldest pending       none")?,
+        }
+
+        writeln!(f, "\nwarnings")?;
+        if self.warnings.is_empty() {
+            writeln!(f, "  none")?;
+        }
+        for warning in &self.warnings {
+            writeln!(f, "  ! {warning}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(text: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(text)
+            .map(|t| t.with_timezone(&Utc))
+            .unwrap_or(DateTime::<Utc>::MIN_UTC)
+    }
+
+    fn month(text: &str) -> Month {
+        text.parse()
+            .unwrap_or_else(|_| Month::of(Utc::now()).unwrap_or_else(|_| unreachable!()))
+    }
+
+    fn healthy(now: DateTime<Utc>) -> Facts {
+        let current = Month::of(now).unwrap_or_else(|_| unreachable!());
+        Facts {
+            partitions: current
+                .through(current.plus(2))
+                .map(|m| (m, 10, Some(8192)))
+                .collect(),
+            ..Facts::default()
+        }
+    }
+
+    #[test]
+    fn a_fresh_inbox_with_partitions_ahead_has_no_warnings() {
+        let now = at("2026-12-02T12:00:00Z");
+        let report = assess(
+            "db".into(),
+            "sqlite",
+            healthy(now),
+            &InspectOptions::default(),
+            now,
+        );
+        assert_eq!(report.warnings, Vec::<String>::new());
+        assert!(report.missing_ahead.is_empty());
+        assert_eq!(
+            report.retention.margin_days, None,
+            "nothing pruned: no limit"
+        );
+        assert_eq!(
+            report.retention.oldest_partition.as_deref(),
+            Some("2026-12")
+        );
+    }
+
+    #[test]
+    fn missing_months_ahead_are_listed_and_warned() {
+        let now = at("2026-12-02T12:00:00Z");
+        let mut facts = healthy(now);
+        facts.partitions.truncate(1);
+        let report = assess(
+            "db".into(),
+            "sqlite",
+            facts,
+            &InspectOptions::default(),
+            now,
+        );
+        assert_eq!(report.missing_ahead, ["2027-01", "2027-02"]);
+        assert!(
+            report.warnings[0].contains("2027-01, 2027-02"),
+            "{:?}",
+            report.warnings
+        );
+    }
+
+    #[test]
+    fn the_margin_is_measured_from_the_newest_pruned_month() {
+        // TTL 30 d, broker 14 d; pruned through October: covered from 1 November.
+        let now = at("2026-12-20T00:00:00Z");
+        let mut facts = healthy(now);
+        facts.pruned_through = Some(month("2026-10"));
+        let report = assess(
+            "db".into(),
+            "sqlite",
+            facts.clone(),
+            &InspectOptions::default(),
+            now,
+        );
+        // 20 Dec − 14 d = 6 Dec; 6 Dec − 1 Nov = 35 days.
+        assert_eq!(report.retention.margin_days, Some(35.0));
+        assert!(report.warnings.is_empty(), "{:?}", report.warnings);
+
+        // Pruned through November, 3 December: 6 Dec − 1 Dec = 5 days < 7: thin.
+        facts.pruned_through = Some(month("2026-11"));
+        let report = assess(
+            "db".into(),
+            "sqlite",
+            facts.clone(),
+            &InspectOptions::default(),
+            now,
+        );
+        assert_eq!(report.retention.margin_days, Some(5.0));
+        assert!(
+            report
+                .warnings
+                .iter()
+                .any(|w| w.contains("thin retention margin")),
+            "{:?}",
+            report.warnings
+        );
+
+        // Inspected on 10 December: 26 Nov − 1 Dec < 0.
+        let now = at("2026-12-10T00:00:00Z");
+        let report = assess(
+            "db".into(),
+            "sqlite",
+            facts,
+            &InspectOptions::default(),
+            now,
+        );
+        assert!(report.retention.margin_days.is_some_and(|m| m < 0.0));
+        assert!(
+            report
+                .warnings
+                .iter()
+                .any(|w| w.contains("no longer covers")),
+            "{:?}",
+            report.warnings
+        );
+    }
+
+    #[test]
+    fn a_ttl_barely_over_the_broker_retention_is_warned() {
+        let now = at("2026-12-02T12:00:00Z");
+        let options = InspectOptions {
+            config: InboxConfig::default().with_ttl(Duration::from_secs(15 * 86_400)),
+            ..InspectOptions::default()
+        };
+        let report = assess("db".into(), "sqlite", healthy(now), &options, now);
+        assert!(
+            report
+                .warnings
+                .iter()
+                .any(|w| w.contains("less than 7.0 days over")),
+            "{:?}",
+            report.warnings
+        );
+    }
+
+    #[test]
+    fn an_expired_partition_still_present_points_at_the_pruner() {
+        let now = at("2026-12-02T12:00:00Z");
+        let mut facts = healthy(now);
+        facts.partitions.insert(0, (month("2026-09"), 5, None));
+        let report = assess(
+            "db".into(),
+            "sqlite",
+            facts,
+            &InspectOptions::default(),
+            now,
+        );
+        assert!(
+            report
+                .warnings
+                .iter()
+                .any(|w| w.contains("2026-09") && w.contains("pruner")),
+            "{:?}",
+            report.warnings
+        );
+    }
+
+    #[test]
+    fn stuck_sagas_and_a_stalled_outbox_are_warned() {
+        let now = at("2026-12-02T12:00:00Z");
+        let mut facts = healthy(now);
+        facts.oldest_unfinished = Some(SagaRow {
+            id: "s-1".into(),
+            saga_name: "checkout".into(),
+            status: "compensating".into(),
+            current_step: 0,
+            attempts: 40,
+            created_at: at("2026-12-02T09:00:00Z"),
+            updated_at: at("2026-12-02T11:59:00Z"),
+            last_error: Some("undo payment: timeout".into()),
+        });
+        facts.outbox_pending = 3;
+        facts.oldest_pending_at = Some(at("2026-12-02T11:00:00Z"));
+        let report = assess(
+            "db".into(),
+            "sqlite",
+            facts,
+            &InspectOptions::default(),
+            now,
+        );
+        assert_eq!(report.warnings.len(), 2, "{:?}", report.warnings);
+        assert!(
+            report.warnings[0].contains("s-1")
+                && report.warnings[0].contains("undo payment: timeout")
+        );
+        assert!(report.warnings[1].contains("3 outbox rows pending"));
+        let table = report.to_string();
+        assert!(table.contains("oldest unfinished    s-1"), "{table}");
+    }
+
+    #[test]
+    fn duplicates_merge_per_consumer_type() {
+        let mut all = Vec::new();
+        for (ct, n) in [("payment", 2), ("email", 1), ("payment", 3)] {
+            merge_duplicates(
+                &mut all,
+                DuplicateReport {
+                    consumer_type: ct.into(),
+                    last_hour: n,
+                    last_day: n,
+                    in_inbox: n,
+                },
+            );
+        }
+        let totals: Vec<(&str, i64)> = all
+            .iter()
+            .map(|d| (d.consumer_type.as_str(), d.in_inbox))
+            .collect();
+        assert_eq!(totals, [("email", 1), ("payment", 5)]);
+    }
+
+    #[test]
+    fn sizes_read_well() {
+        assert_eq!(human_bytes(None), "n/a");
+        assert_eq!(human_bytes(Some(512)), "512 B");
+        assert_eq!(human_bytes(Some(8192)), "8.0 KiB");
+        assert_eq!(human_bytes(Some(3 * 1024 * 1024)), "3.0 MiB");
+    }
+}

@@ -1,0 +1,173 @@
+//! The figures of `inspect` from PostgreSQL, in one read-only snapshot.
+
+use std::str::FromStr;
+
+use chrono::{DateTime, Datelike, NaiveDate, Utc};
+use sqlx::postgres::{PgConnectOptions, PgConnection};
+use sqlx::{Connection, Row};
+
+use super::{DuplicateReport, Facts, InspectError, SagaRow, database_error, merge_duplicates};
+use crate::database::redact;
+use crate::month::Month;
+use crate::store::{PARTITION_PREFIX, POSTGRES_MIGRATOR};
+
+/// Reads every figure; `windows` are the starts of the last hour and the last day.
+pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Facts, InspectError> {
+    let failed = database_error(url);
+    let options = PgConnectOptions::from_str(url)
+        .map_err(&failed)?
+        .application_name("sagabox-inspect");
+    let mut conn = PgConnection::connect_with(&options)
+        .await
+        .map_err(&failed)?;
+    check_migrated(url, &mut conn).await?;
+    // One snapshot: the partitions, their rows and the sagas all agree with each other.
+    let mut tx = conn
+        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        .await
+        .map_err(&failed)?;
+    let mut facts = Facts::default();
+
+    let sizes = sqlx::query(
+        "SELECT c.relname::text AS name, pg_total_relation_size(c.oid) AS bytes \
+         FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = 'sagabox_inbox'::regclass",
+    )
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(&failed)?;
+    let rows = sqlx::query("SELECT bucket, COUNT(*) AS n FROM sagabox_inbox GROUP BY bucket")
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(&failed)?;
+    let mut rows_by_month = Vec::new();
+    for row in rows {
+        let bucket: NaiveDate = row.try_get("bucket").map_err(&failed)?;
+        if let Ok(month) = Month::new(bucket.year(), bucket.month()) {
+            rows_by_month.push((month, row.try_get::<i64, _>("n").map_err(&failed)?));
+        }
+    }
+    for row in sizes {
+        let name: String = row.try_get("name").map_err(&failed)?;
+        let Some(month) = Month::from_table_name(PARTITION_PREFIX, &name) else {
+            continue;
+        };
+        let count = rows_by_month
+            .iter()
+            .find(|(m, _)| *m == month)
+            .map_or(0, |(_, n)| *n);
+        let bytes: i64 = row.try_get("bytes").map_err(&failed)?;
+        facts.partitions.push((month, count, Some(bytes)));
+    }
+    facts.partitions.sort_by_key(|(month, ..)| *month);
+
+    let pruned: Option<NaiveDate> =
+        sqlx::query_scalar("SELECT pruned_through FROM sagabox_inbox_pruned")
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(&failed)?;
+    facts.pruned_through = pruned.and_then(|day| Month::new(day.year(), day.month()).ok());
+
+    let duplicates = sqlx::query(
+        "SELECT consumer_type, \
+                COALESCE(SUM(duplicates) FILTER (WHERE last_duplicate_at >= $1), 0)::bigint AS last_hour, \
+                COALESCE(SUM(duplicates) FILTER (WHERE last_duplicate_at >= $2), 0)::bigint AS last_day, \
+                SUM(duplicates)::bigint AS in_inbox \
+         FROM sagabox_inbox WHERE duplicates > 0 GROUP BY consumer_type",
+    )
+    .bind(windows[0])
+    .bind(windows[1])
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(&failed)?;
+    for row in duplicates {
+        merge_duplicates(
+            &mut facts.duplicates,
+            DuplicateReport {
+                consumer_type: row.try_get("consumer_type").map_err(&failed)?,
+                last_hour: row.try_get("last_hour").map_err(&failed)?,
+                last_day: row.try_get("last_day").map_err(&failed)?,
+                in_inbox: row.try_get("in_inbox").map_err(&failed)?,
+            },
+        );
+    }
+
+    let statuses = sqlx::query("SELECT status, COUNT(*) AS n FROM saga_instances GROUP BY status")
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(&failed)?;
+    for row in statuses {
+        facts.sagas_by_status.insert(
+            row.try_get("status").map_err(&failed)?,
+            row.try_get("n").map_err(&failed)?,
+        );
+    }
+    let oldest = sqlx::query(
+        "SELECT id, saga_name, status, current_step::bigint AS current_step, \
+                attempts::bigint AS attempts, created_at, updated_at, last_error \
+         FROM saga_instances WHERE status IN ('running', 'compensating') \
+         ORDER BY created_at LIMIT 1",
+    )
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(&failed)?;
+    facts.oldest_unfinished = oldest
+        .map(|row| {
+            Ok::<_, sqlx::Error>(SagaRow {
+                id: row.try_get("id")?,
+                saga_name: row.try_get("saga_name")?,
+                status: row.try_get("status")?,
+                current_step: row.try_get("current_step")?,
+                attempts: row.try_get("attempts")?,
+                created_at: row.try_get("created_at")?,
+                updated_at: row.try_get("updated_at")?,
+                last_error: row.try_get("last_error")?,
+            })
+        })
+        .transpose()
+        .map_err(&failed)?;
+
+    let (pending, oldest_pending): (i64, Option<DateTime<Utc>>) = sqlx::query_as(
+        "SELECT COUNT(*), MIN(created_at) FROM sagabox_outbox WHERE sent_at IS NULL",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(&failed)?;
+    facts.outbox_pending = pending;
+    facts.oldest_pending_at = oldest_pending;
+    tx.rollback().await.map_err(&failed)?;
+    Ok(facts)
+}
+
+/// Refuses a database where any of this version's migrations has not run.
+async fn check_migrated(url: &str, conn: &mut PgConnection) -> Result<(), InspectError> {
+    let failed = database_error(url);
+    let has_table: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(&failed)?;
+    if !has_table {
+        return Err(InspectError::NotMigrated {
+            url: redact(url),
+            what: "no migrations have run".to_owned(),
+        });
+    }
+    let applied: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(&failed)?;
+    let missing: Vec<String> = POSTGRES_MIGRATOR
+        .iter()
+        .filter(|m| !applied.contains(&m.version))
+        .map(|m| format!("{}_{}", m.version, m.description))
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(InspectError::NotMigrated {
+            url: redact(url),
+            what: format!("migrations not applied: {}", missing.join(", ")),
+        })
+    }
+}

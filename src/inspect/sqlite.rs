@@ -1,0 +1,174 @@
+//! The figures of `inspect` from SQLite, in one read transaction (a WAL snapshot).
+
+use std::str::FromStr;
+
+use chrono::{DateTime, Utc};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
+use sqlx::{AssertSqlSafe, Connection, Row};
+
+use super::{DuplicateReport, Facts, InspectError, SagaRow, database_error, merge_duplicates};
+use crate::database::redact;
+use crate::month::Month;
+use crate::store::{PARTITION_PREFIX, SQLITE_MIGRATOR};
+
+/// Reads every figure; `windows` are the starts of the last hour and the last day.
+pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Facts, InspectError> {
+    let failed = database_error(url);
+    // Never create a file: inspecting a mistyped path must fail, not make an empty db.
+    let options = SqliteConnectOptions::from_str(url)
+        .map_err(&failed)?
+        .create_if_missing(false)
+        .busy_timeout(std::time::Duration::from_secs(30));
+    let mut conn = SqliteConnection::connect_with(&options)
+        .await
+        .map_err(&failed)?;
+    check_migrated(url, &mut conn).await?;
+    // A deferred transaction that only reads: one snapshot for every figure.
+    let mut tx = conn.begin().await.map_err(&failed)?;
+    let mut facts = Facts::default();
+
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT name FROM sqlite_master WHERE type = 'table' \
+           AND name GLOB 'sagabox_inbox_[0-9][0-9][0-9][0-9]_[0-9][0-9]'",
+    )
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(&failed)?;
+    for table in tables {
+        // Only names that parse as a month go into SQL text.
+        let Some(month) = Month::from_table_name(PARTITION_PREFIX, &table) else {
+            continue;
+        };
+        let table = format!("{PARTITION_PREFIX}{}", month.suffix());
+        let rows: i64 = sqlx::query_scalar(AssertSqlSafe(format!("SELECT COUNT(*) FROM {table}")))
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(&failed)?;
+        // dbstat is compiled into the bundled SQLite; a system library may lack it, and
+        // then the size is unknown rather than guessed.
+        let bytes: Option<i64> =
+            sqlx::query_scalar("SELECT SUM(pgsize) FROM dbstat WHERE name = $1")
+                .bind(&table)
+                .fetch_one(&mut *tx)
+                .await
+                .ok()
+                .flatten();
+        facts.partitions.push((month, rows, bytes));
+
+        let duplicates = sqlx::query(AssertSqlSafe(format!(
+            "SELECT consumer_type, \
+                    SUM(CASE WHEN last_duplicate_at >= $1 THEN duplicates ELSE 0 END) AS last_hour, \
+                    SUM(CASE WHEN last_duplicate_at >= $2 THEN duplicates ELSE 0 END) AS last_day, \
+                    SUM(duplicates) AS in_inbox \
+             FROM {table} WHERE duplicates > 0 GROUP BY consumer_type"
+        )))
+        .bind(windows[0])
+        .bind(windows[1])
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(&failed)?;
+        for row in duplicates {
+            merge_duplicates(
+                &mut facts.duplicates,
+                DuplicateReport {
+                    consumer_type: row.try_get("consumer_type").map_err(&failed)?,
+                    last_hour: row.try_get("last_hour").map_err(&failed)?,
+                    last_day: row.try_get("last_day").map_err(&failed)?,
+                    in_inbox: row.try_get("in_inbox").map_err(&failed)?,
+                },
+            );
+        }
+    }
+    facts.partitions.sort_by_key(|(month, ..)| *month);
+
+    let pruned: Option<String> =
+        sqlx::query_scalar("SELECT pruned_through FROM sagabox_inbox_pruned")
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(&failed)?;
+    facts.pruned_through = pruned.and_then(|text| text.parse().ok());
+
+    let statuses = sqlx::query("SELECT status, COUNT(*) AS n FROM saga_instances GROUP BY status")
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(&failed)?;
+    for row in statuses {
+        facts.sagas_by_status.insert(
+            row.try_get("status").map_err(&failed)?,
+            row.try_get("n").map_err(&failed)?,
+        );
+    }
+    // Timestamps are RFC 3339 text in UTC, which sorts in time order.
+    let oldest = sqlx::query(
+        "SELECT id, saga_name, status, current_step, attempts, created_at, updated_at, last_error \
+         FROM saga_instances WHERE status IN ('running', 'compensating') \
+         ORDER BY created_at LIMIT 1",
+    )
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(&failed)?;
+    facts.oldest_unfinished = oldest
+        .map(|row| {
+            Ok::<_, sqlx::Error>(SagaRow {
+                id: row.try_get("id")?,
+                saga_name: row.try_get("saga_name")?,
+                status: row.try_get("status")?,
+                current_step: row.try_get("current_step")?,
+                attempts: row.try_get("attempts")?,
+                created_at: row.try_get("created_at")?,
+                updated_at: row.try_get("updated_at")?,
+                last_error: row.try_get("last_error")?,
+            })
+        })
+        .transpose()
+        .map_err(&failed)?;
+
+    facts.outbox_pending =
+        sqlx::query_scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(&failed)?;
+    facts.oldest_pending_at = sqlx::query_scalar(
+        "SELECT created_at FROM sagabox_outbox WHERE sent_at IS NULL ORDER BY created_at LIMIT 1",
+    )
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(&failed)?;
+    tx.rollback().await.map_err(&failed)?;
+    Ok(facts)
+}
+
+/// Refuses a database where any of this version's migrations has not run.
+async fn check_migrated(url: &str, conn: &mut SqliteConnection) -> Result<(), InspectError> {
+    let failed = database_error(url);
+    let has_table: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations')",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(&failed)?;
+    if !has_table {
+        return Err(InspectError::NotMigrated {
+            url: redact(url),
+            what: "no migrations have run".to_owned(),
+        });
+    }
+    let applied: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(&failed)?;
+    let missing: Vec<String> = SQLITE_MIGRATOR
+        .iter()
+        .filter(|m| !applied.contains(&m.version))
+        .map(|m| format!("{}_{}", m.version, m.description))
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(InspectError::NotMigrated {
+            url: redact(url),
+            what: format!("migrations not applied: {}", missing.join(", ")),
+        })
+    }
+}

@@ -1,0 +1,57 @@
+//! Scraping a Prometheus endpoint with a bare HTTP/1.1 request (no client crate needed),
+//! and reading values out of the text format.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// A port that was free a moment ago, for an endpoint to listen on.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .expect("a free port")
+}
+
+/// The body of `GET /metrics`, or the connection error (the endpoint is not up yet).
+pub async fn scrape(addr: SocketAddr) -> std::io::Result<String> {
+    let mut stream =
+        tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr)).await??;
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut response = String::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_string(&mut response)).await??;
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    assert!(head.starts_with("HTTP/1.1 200"), "scrape answered {head}");
+    Ok(body.to_owned())
+}
+
+/// Whether the text has a series of metric `name` (with or without labels; for a
+/// histogram, its `_bucket`, `_sum` and `_count` series).
+pub fn has_metric(text: &str, name: &str) -> bool {
+    text.lines().any(|line| {
+        line.strip_prefix(name).is_some_and(|rest| {
+            let rest = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|suffix| rest.strip_prefix(suffix))
+                .unwrap_or(rest);
+            rest.starts_with('{') || rest.starts_with(' ')
+        })
+    })
+}
+
+/// The sum of the values of every series of `name` whose labels contain all of `labels`
+/// (`key="value"` strings).
+pub fn sum(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|line| {
+            line.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter(|line| labels.iter().all(|label| line.contains(label)))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
