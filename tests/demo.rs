@@ -300,8 +300,8 @@ timeout = "5s"
 
 /// The checkout demo over RabbitMQ with payment, inventory and email as separate
 /// `sagabox serve` processes (real broker, real PostgreSQL), under the saga issue's
-/// fault rates: every invariant holds, the participants stop gracefully on SIGTERM, and
-/// no command is left in a queue.
+/// fault rates and with every broker connection closed part-way: every invariant holds,
+/// the participants stop gracefully on SIGTERM, and no command is left in a queue.
 mod over_rabbitmq {
     use std::process::Child;
 
@@ -390,10 +390,26 @@ mod over_rabbitmq {
             let url = fx.url.clone();
             async move { run(&url, &config).await }
         });
+        // Part-way through, the broker drops every connection of the run (participants'
+        // consumers and the orchestrator's dispatch): all reconnect, and what was in
+        // flight is redelivered and absorbed by the inboxes.
+        let mut dropped = 0;
         while !demo.is_finished() {
             check_alive(&mut participants);
+            if dropped == 0 {
+                let done = fx
+                    .scalar("SELECT COUNT(*) FROM saga_instances WHERE status IN ('completed', 'compensated')")
+                    .await;
+                if done >= 300 {
+                    dropped = rabbit.close_all_connections();
+                }
+            }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        assert!(
+            dropped >= 4,
+            "the broker closed the participants' and the orchestrator's connections ({dropped})"
+        );
         let summary = demo.await.unwrap().unwrap();
         for child in &mut participants {
             terminate(child);

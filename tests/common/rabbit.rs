@@ -128,7 +128,22 @@ impl Rabbit {
     /// `<prefix>/<role>`) is this fixture's prefix followed by `/` and `role`; returns how
     /// many it closed. What a broker restart or a network cut does to a client.
     pub fn close_connections(&self, role: &str) -> usize {
-        let wanted = format!("{}/{role}", self.config.queue_prefix);
+        self.close_matching(&format!(
+            "{{\"connection_name\",\"{}/{role}\"}}",
+            self.config.queue_prefix
+        ))
+    }
+
+    /// Closes every connection sagabox opened under this fixture's prefix (consumers,
+    /// relays, dispatchers, in any process); returns how many.
+    pub fn close_all_connections(&self) -> usize {
+        self.close_matching(&format!(
+            "{{\"connection_name\",\"{}/",
+            self.config.queue_prefix
+        ))
+    }
+
+    fn close_matching(&self, needle: &str) -> usize {
         let listed = std::process::Command::new("rabbitmqctl")
             .args(["list_connections", "--silent", "pid", "client_properties"])
             .output()
@@ -142,7 +157,7 @@ impl Rabbit {
             let Some((pid, properties)) = line.split_once('\t') else {
                 continue;
             };
-            if properties.contains(&format!("{{\"connection_name\",\"{wanted}\"}}")) {
+            if properties.contains(needle) {
                 let status = std::process::Command::new("rabbitmqctl")
                     .args(["close_connection", pid.trim(), "closed by a sagabox test"])
                     .output()
