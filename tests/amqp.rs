@@ -554,8 +554,6 @@ async fn the_orchestrator_reaches_a_step_through_the_broker_and_repeats_get_the_
     while let Some(answer) = sends.join_next().await {
         match answer.unwrap() {
             Ok(reply) => answers.push(reply),
-            // Two sends of one command share one reply waiter list; a send whose reply
-            // went to an earlier waiter times out or retries — the orchestrator sends again.
             Err(failure) => panic!("dispatch failed: {failure}"),
         }
     }

@@ -194,11 +194,16 @@ impl AmqpDispatch {
         Ok(link.publisher.clone())
     }
 
+    /// Drops the waiters of `id` whose receivers are gone (this send's, once it gave
+    /// up), keeping those of concurrent sends of the same command.
     fn forget(&self, id: &MessageId) {
-        self.waiters
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(id.as_str());
+        let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(senders) = waiters.get_mut(id.as_str()) {
+            senders.retain(|sender| !sender.is_closed());
+            if senders.is_empty() {
+                waiters.remove(id.as_str());
+            }
+        }
     }
 }
 
@@ -275,6 +280,7 @@ impl Dispatch for AmqpDispatch {
             Err(error) => Err(error),
         };
         if let Err(error) = published {
+            drop(receiver);
             self.forget(&envelope.id);
             if let Some(link) = self.link.lock().await.take() {
                 let _ = link.connection.close(200, "reconnecting".into()).await;
@@ -284,7 +290,7 @@ impl Dispatch for AmqpDispatch {
         match tokio::time::timeout(timeout, receiver).await {
             Ok(Ok(reply)) => Ok(reply),
             Ok(Err(_)) => Err(StepFailure::Retryable(
-                "the reply waiter was dropped (a concurrent delivery took it)".into(),
+                "the reply waiter was dropped before a reply came".into(),
             )),
             Err(_) => {
                 self.forget(&envelope.id);
