@@ -3,10 +3,13 @@
 //! that resumes unfinished sagas) as a long-running process behind `sagabox serve`.
 
 use std::collections::BTreeSet;
+#[cfg(feature = "rabbitmq")]
 use std::future::Future;
+#[cfg(feature = "rabbitmq")]
 use std::sync::Arc;
 use std::time::Duration;
 
+#[cfg(feature = "rabbitmq")]
 use ractor::Actor;
 
 use super::{Checkout, DemoError};
@@ -38,6 +41,7 @@ pub fn kinds_of(definition: &SagaDefinition, consumer_type: &ConsumerType) -> BT
 }
 
 /// The longest timeout of `consumer_type`'s steps: how long a served command may take.
+#[cfg(feature = "rabbitmq")]
 fn timeout_of(definition: &SagaDefinition, consumer_type: &ConsumerType) -> Duration {
     definition
         .steps()
