@@ -29,20 +29,42 @@ impl Backend {
     }
 }
 
-/// `url` with any password replaced by `***`.
+/// `url` with every password replaced by `***`: the one in the user info
+/// (`postgres://user:secret@host/db`, `amqp://user:secret@host/vhost`) and the value of
+/// any query parameter whose name ends in `password` (`?password=secret`).
+///
+/// Meant for text that reaches logs, errors and reports, so it errs on the side of hiding
+/// (it never fails, whatever the input): the user info runs to the **last** `@`, which
+/// also covers a password with an unescaped `/`, `?`, `@` or `:` in it, and a query
+/// password runs to the next `&`.
 pub fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
+        return redact_query(url);
     };
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    let (authority, path) = rest.split_at(authority_end);
-    match authority.rsplit_once('@') {
-        Some((userinfo, host)) => match userinfo.split_once(':') {
-            Some((user, _password)) => format!("{scheme}://{user}:***@{host}{path}"),
-            None => url.to_owned(),
-        },
-        None => url.to_owned(),
+    if let Some((userinfo, host)) = rest.rsplit_once('@')
+        && let Some((user, _password)) = userinfo.split_once(':')
+        && !user.contains(['/', '?', '#'])
+    {
+        return format!("{scheme}://{user}:***@{}", redact_query(host));
     }
+    format!("{scheme}://{}", redact_query(rest))
+}
+
+/// `…?a=1&password=x` → `…?a=1&password=***`.
+fn redact_query(text: &str) -> String {
+    let Some((path, query)) = text.split_once('?') else {
+        return text.to_owned();
+    };
+    let params: Vec<String> = query
+        .split('&')
+        .map(|param| match param.split_once('=') {
+            Some((name, _)) if name.to_ascii_lowercase().ends_with("password") => {
+                format!("{name}=***")
+            }
+            _ => param.to_owned(),
+        })
+        .collect();
+    format!("{path}?{}", params.join("&"))
 }
 
 /// Runs the migrations of the database at `url` and creates its current and upcoming
@@ -99,5 +121,38 @@ mod tests {
             Backend::of("mysql://u:pw@h/x"),
             Err(InboxError::UnsupportedUrl(u)) if !u.contains("pw")
         ));
+    }
+
+    #[test]
+    fn amqp_urls_and_awkward_passwords_are_redacted() {
+        let cases = [
+            (
+                "amqp://guest:guest-pw@127.0.0.1:5672/%2f",
+                "amqp://guest:***@127.0.0.1:5672/%2f",
+            ),
+            (
+                "amqps://u:p@rabbit/vhost?heartbeat=10",
+                "amqps://u:***@rabbit/vhost?heartbeat=10",
+            ),
+            // Unescaped `/`, `@` and `:` in the password.
+            ("postgres://u:pa/ss@db/x", "postgres://u:***@db/x"),
+            (
+                "postgres://u:p@ss:w@db:5432/x",
+                "postgres://u:***@db:5432/x",
+            ),
+            // A password in the query string.
+            (
+                "postgres://u@db/x?sslmode=disable&password=qwerty&application_name=a",
+                "postgres://u@db/x?sslmode=disable&password=***&application_name=a",
+            ),
+            ("postgres://u:pa?ss@db/x", "postgres://u:***@db/x"),
+            (
+                "postgres://db/x?PassWord=qwerty",
+                "postgres://db/x?PassWord=***",
+            ),
+        ];
+        for (url, redacted) in cases {
+            assert_eq!(redact(url), redacted, "{url}");
+        }
     }
 }

@@ -52,6 +52,8 @@
 //! - [`month`]: [`Month`], the partition unit; [`clock`]: [`Clock`], injectable time.
 //! - [`metrics`]: the metric names emitted.
 //! - [`database`]: opening a store from a URL; [`redact`](database::redact) for logs.
+//! - [`args`]: the command line's values (URLs, rates, retention), checked with typed
+//!   errors.
 //!
 //! # Features
 //!
@@ -60,6 +62,7 @@
 //! | `postgres` | yes | [`PostgresStore`] |
 //! | `sqlite` | yes | [`SqliteStore`] |
 
+pub mod args;
 pub mod clock;
 pub mod database;
 pub mod demo;

@@ -6,6 +6,9 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod invariants;
+pub mod proxy;
+
 use std::path::PathBuf;
 
 use sagabox::{InboxStore, PostgresStore, SqliteStore};
