@@ -54,7 +54,7 @@ pub enum ArgError {
     #[error("{0:?} is not a number: give a rate between 0 and 1, such as 0.1")]
     RateNotANumber(String),
     /// A rate outside `0..=1` (or `0..1` where 1 would never end).
-    #[error("rate {value} is out of range: {expected}")]
+    #[error("rate {} is out of range: {expected}", short(*.value))]
     RateOutOfRange {
         /// The value given.
         value: f64,
@@ -135,6 +135,17 @@ fn passwords(url: &str) -> Vec<&str> {
         }
     }
     found
+}
+
+/// `value` as written, unless that is long (Rust writes `1e-300` out in full): then in
+/// scientific notation.
+fn short(value: f64) -> String {
+    let plain = value.to_string();
+    if plain.len() > 24 {
+        format!("{value:e}")
+    } else {
+        plain
+    }
 }
 
 /// Parses a rate within `0..=1` (a share of messages, such as `0.1`).
@@ -253,6 +264,9 @@ mod tests {
             Err(ArgError::RateOutOfRange { .. })
         ));
         assert_eq!(rate_below_one("0.999"), Ok(0.999));
+        // Found by the fuzz target: a tiny negative value was quoted 300 digits long.
+        let tiny = rate("-2.4734269389403685e-301").unwrap_err().to_string();
+        assert!(tiny.contains("-2.4734269389403685e-301"), "{tiny}");
     }
 
     #[test]

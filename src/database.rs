@@ -34,37 +34,50 @@ impl Backend {
 /// any query parameter whose name ends in `password` (`?password=secret`).
 ///
 /// Meant for text that reaches logs, errors and reports, so it errs on the side of hiding
-/// (it never fails, whatever the input): the user info runs to the **last** `@`, which
-/// also covers a password with an unescaped `/`, `?`, `@` or `:` in it, and a query
-/// password runs to the next `&`.
+/// and never fails, whatever the input: the user info runs to the **last** `@` (a
+/// password may hold an unescaped `/`, `?`, `@` or `:`), a query password runs to the
+/// next `&`, and where the two readings overlap both are hidden.
 pub fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return redact_query(url);
-    };
-    if let Some((userinfo, host)) = rest.rsplit_once('@')
-        && let Some((user, _password)) = userinfo.split_once(':')
-        && !user.contains(['/', '?', '#'])
-    {
-        return format!("{scheme}://{user}:***@{}", redact_query(host));
+    let mut hidden: Vec<(usize, usize)> = Vec::new();
+    // The user info's password: between the first `:` after the scheme and the last `@`.
+    if let Some(scheme_end) = url.find("://") {
+        let start = scheme_end + 3;
+        let rest = &url[start..];
+        if let Some(at) = rest.rfind('@')
+            && let Some(colon) = rest[..at].find(':')
+            && !rest[..colon].contains(['/', '?', '#'])
+        {
+            hidden.push((start + colon + 1, start + at));
+        }
     }
-    format!("{scheme}://{}", redact_query(rest))
-}
-
-/// `…?a=1&password=x` → `…?a=1&password=***`.
-fn redact_query(text: &str) -> String {
-    let Some((path, query)) = text.split_once('?') else {
-        return text.to_owned();
-    };
-    let params: Vec<String> = query
-        .split('&')
-        .map(|param| match param.split_once('=') {
-            Some((name, _)) if name.to_ascii_lowercase().ends_with("password") => {
-                format!("{name}=***")
-            }
-            _ => param.to_owned(),
-        })
-        .collect();
-    format!("{path}?{}", params.join("&"))
+    // Query passwords: after any `?` or `&`, `…password=` up to the next `&`.
+    for (delimiter, _) in url.match_indices(['?', '&']) {
+        let param_start = delimiter + 1;
+        let param_end = url[param_start..]
+            .find('&')
+            .map_or(url.len(), |i| param_start + i);
+        let param = &url[param_start..param_end];
+        if let Some(eq) = param.find('=')
+            && param[..eq].to_ascii_lowercase().ends_with("password")
+        {
+            hidden.push((param_start + eq + 1, param_end));
+        }
+    }
+    hidden.sort_unstable();
+    let mut out = String::with_capacity(url.len());
+    let mut shown_from = 0;
+    for (start, end) in hidden {
+        if end <= shown_from {
+            continue;
+        }
+        if start >= shown_from {
+            out.push_str(&url[shown_from..start]);
+            out.push_str("***");
+        }
+        shown_from = end;
+    }
+    out.push_str(&url[shown_from..]);
+    out
 }
 
 /// Runs the migrations of the database at `url` and creates its current and upcoming
@@ -146,6 +159,9 @@ mod tests {
                 "postgres://u@db/x?sslmode=disable&password=***&application_name=a",
             ),
             ("postgres://u:pa?ss@db/x", "postgres://u:***@db/x"),
+            // Both readings overlap: both hidden.
+            ("postgres://u:pw?password=z@h/p?x=1", "postgres://u:***"),
+            ("postgres://u@h:5432/d?password=a@b", "postgres://u@h:***"),
             (
                 "postgres://db/x?PassWord=qwerty",
                 "postgres://db/x?PassWord=***",

@@ -69,9 +69,15 @@ async fn killed_twenty_times_and_resumed_every_invariant_holds() {
 
     for kill in 0..KILLS {
         let mut child: Child = if kill == 0 {
-            demo(&fx.url, &["--orders", &ORDERS.to_string(), "--seed", &seed.to_string()])
+            demo(
+                &fx.url,
+                &["--orders", &ORDERS.to_string(), "--seed", &seed.to_string()],
+            )
         } else {
-            demo(&fx.url, &["--resume", "--seed", &(seed ^ kill as u64).to_string()])
+            demo(
+                &fx.url,
+                &["--resume", "--seed", &(seed ^ kill as u64).to_string()],
+            )
         }
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -87,7 +93,10 @@ async fn killed_twenty_times_and_resumed_every_invariant_holds() {
                     child.try_wait().unwrap().is_none(),
                     "{journal}the first run ended before it recorded itself"
                 );
-                assert!(Instant::now() < deadline, "{journal}the first run never started");
+                assert!(
+                    Instant::now() < deadline,
+                    "{journal}the first run never started"
+                );
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         }
@@ -131,7 +140,11 @@ async fn killed_twenty_times_and_resumed_every_invariant_holds() {
         unfinished_at_last_kill > 0 || placed_at_last_kill < ORDERS,
         "{journal}the last kill left nothing to resume"
     );
-    assert_eq!(fx.scalar(PLACED).await, ORDERS, "{journal}every order placed");
+    assert_eq!(
+        fx.scalar(PLACED).await,
+        ORDERS,
+        "{journal}every order placed"
+    );
     assert_eq!(
         fx.scalar(FINISHED).await,
         ORDERS,
@@ -147,6 +160,9 @@ async fn killed_twenty_times_and_resumed_every_invariant_holds() {
             "SELECT COUNT(*) FROM sagabox_inbox WHERE consumer_type IN ('payment', 'inventory', 'email')",
         )
         .await;
-    assert!(inbox_rows >= ORDERS, "{journal}every charge on record in the inbox: {inbox_rows}");
+    assert!(
+        inbox_rows >= ORDERS,
+        "{journal}every charge on record in the inbox: {inbox_rows}"
+    );
     eprintln!("{journal}");
 }

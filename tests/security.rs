@@ -125,7 +125,10 @@ fn failing_commands_never_print_the_password() {
             let output = sagabox(&args);
             let text = all_text(&output);
             assert!(!output.status.success(), "{args:?} failed: {text}");
-            assert!(!text.contains(SECRET), "{args:?} leaked the password:\n{text}");
+            assert!(
+                !text.contains(SECRET),
+                "{args:?} leaked the password:\n{text}"
+            );
             assert!(!text.trim().is_empty(), "{args:?} said nothing");
         }
     }
@@ -155,7 +158,10 @@ async fn successful_commands_show_the_url_redacted() {
         let output = sagabox(&args);
         let text = all_text(&output);
         assert!(output.status.success(), "{args:?}: {text}");
-        assert!(!text.contains(SECRET), "{args:?} leaked the password:\n{text}");
+        assert!(
+            !text.contains(SECRET),
+            "{args:?} leaked the password:\n{text}"
+        );
         assert!(
             text.contains("postgres:***@127.0.0.1:5432"),
             "{args:?} names the database, redacted:\n{text}"
@@ -176,14 +182,26 @@ async fn the_pruner_refuses_a_short_ttl_unless_forced_and_then_warns() {
     assert!(!refused.status.success());
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(
-        stderr.contains("shorter than the broker retention") && stderr.contains("--force-short-ttl"),
+        stderr.contains("shorter than the broker retention")
+            && stderr.contains("--force-short-ttl"),
         "{stderr}"
     );
     let partitions = "SELECT COUNT(*) FROM pg_inherits WHERE inhparent = 'sagabox_inbox'::regclass";
-    assert_eq!(fx.scalar(partitions).await, 0, "a refused run touched nothing");
+    assert_eq!(
+        fx.scalar(partitions).await,
+        0,
+        "a refused run touched nothing"
+    );
 
     let forced = Command::new(env!("CARGO_BIN_EXE_sagabox"))
-        .args(["prune", "--database-url", &fx.url, "--ttl-days", "7", "--force-short-ttl"])
+        .args([
+            "prune",
+            "--database-url",
+            &fx.url,
+            "--ttl-days",
+            "7",
+            "--force-short-ttl",
+        ])
         .env_remove("DATABASE_URL")
         .env_remove("RUST_LOG")
         .output()
@@ -198,7 +216,12 @@ async fn the_pruner_refuses_a_short_ttl_unless_forced_and_then_warns() {
 
     // The override covers that one check: other limits still hold.
     let zero = sagabox(&[
-        "prune", "--database-url", &fx.url, "--broker-retention-days", "0", "--force-short-ttl",
+        "prune",
+        "--database-url",
+        &fx.url,
+        "--broker-retention-days",
+        "0",
+        "--force-short-ttl",
     ]);
     assert!(!zero.status.success());
     assert!(String::from_utf8_lossy(&zero.stderr).contains("broker retention is zero"));
