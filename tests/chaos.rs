@@ -62,7 +62,7 @@ async fn killed_twenty_times_and_resumed_every_invariant_holds() {
     let seed: u64 = std::env::var("CHAOS_SEED")
         .ok()
         .map(|s| s.parse().expect("CHAOS_SEED is a number"))
-        .unwrap_or_else(|| rand::random());
+        .unwrap_or_else(rand::random);
     let mut rng = StdRng::seed_from_u64(seed);
     let mut journal = format!("crash loop seed {seed} (replay with CHAOS_SEED={seed})\n");
     let fx = common::Pg::new().await;
