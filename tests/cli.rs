@@ -134,8 +134,10 @@ fn bench_refuses_bad_arguments() {
         "1.5",
     ]);
     assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
-        String::from_utf8_lossy(&output.stderr).contains("--duplicate-rate must be within 0..=1")
+        stderr.contains("--duplicate-rate") && stderr.contains("rate 1.5 is out of range"),
+        "{stderr}"
     );
     let output = sagabox(&["bench", "--database-url", "sqlite:x.db", "--modes", "turbo"]);
     assert!(String::from_utf8_lossy(&output.stderr).contains("unknown mode \"turbo\""));

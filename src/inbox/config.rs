@@ -71,6 +71,14 @@ pub struct InboxConfig {
     /// by [`InboxGuard::prepare_partitions`](crate::InboxGuard::prepare_partitions).
     /// Defaults to 2.
     pub partitions_ahead: u32,
+    /// Accept a [`ttl`](Self::ttl) shorter than the
+    /// [`broker_retention`](Self::broker_retention) — the one check this overrides. A
+    /// redelivery later than the TTL is then refused (expired, or its month pruned) and
+    /// lost to the consumer, or — a message with no time of its own, filed under the
+    /// month it is processed in — applied a second time once its first row was pruned:
+    /// only for an operator who knows the broker cannot redeliver that late. The guard logs a warning when it is in
+    /// effect. Defaults to `false`.
+    pub allow_ttl_below_retention: bool,
 }
 
 impl Default for InboxConfig {
@@ -81,6 +89,7 @@ impl Default for InboxConfig {
             max_future_skew: DAY,
             trust_publish_time: false,
             partitions_ahead: 2,
+            allow_ttl_below_retention: false,
         }
     }
 }
@@ -116,12 +125,24 @@ impl InboxConfig {
         self
     }
 
+    /// Sets [`allow_ttl_below_retention`](Self::allow_ttl_below_retention).
+    pub fn with_ttl_below_retention_allowed(mut self, allow: bool) -> Self {
+        self.allow_ttl_below_retention = allow;
+        self
+    }
+
+    /// Whether the TTL is shorter than the broker retention (accepted only with
+    /// [`allow_ttl_below_retention`](Self::allow_ttl_below_retention)).
+    pub fn ttl_below_retention(&self) -> bool {
+        self.ttl < self.broker_retention
+    }
+
     /// Checks the configuration is safe: the TTL covers the broker's redelivery window.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.broker_retention.is_zero() {
             return Err(ConfigError::ZeroRetention);
         }
-        if self.ttl < self.broker_retention {
+        if self.ttl_below_retention() && !self.allow_ttl_below_retention {
             return Err(ConfigError::TtlShorterThanRetention {
                 ttl_days: self.ttl.as_secs_f64() / DAY.as_secs_f64(),
                 retention_days: self.broker_retention.as_secs_f64() / DAY.as_secs_f64(),
@@ -155,6 +176,10 @@ mod tests {
         );
         assert!(InboxConfig::default().validate().is_ok());
         assert!(InboxConfig::default().with_ttl(14 * DAY).validate().is_ok());
+        let forced = InboxConfig::default()
+            .with_ttl(7 * DAY)
+            .with_ttl_below_retention_allowed(true);
+        assert!(forced.validate().is_ok());
         assert!(matches!(
             InboxConfig::default().with_ttl(Duration::MAX).validate(),
             Err(ConfigError::TtlTooLong(_))

@@ -73,7 +73,26 @@ pub enum InboxError {
     Migrate(#[from] sqlx::migrate::MigrateError),
     /// The database failed; the transaction was rolled back and nothing was recorded.
     #[error("database error: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(#[source] sqlx::Error),
+    /// No pooled connection became free within the pool's acquire timeout: every one was
+    /// busy, or the database could not be reached to open a new one. Nothing was done.
+    #[error(
+        "no database connection became free within the pool's acquire timeout: every connection \
+         is busy or the database is unreachable; nothing was applied, retry later, and if it \
+         persists raise the pool size, lower the concurrency or check the database"
+    )]
+    PoolTimedOut,
+}
+
+impl From<sqlx::Error> for InboxError {
+    /// A pool timeout becomes [`InboxError::PoolTimedOut`], which says what to do; any
+    /// other failure [`InboxError::Database`].
+    fn from(error: sqlx::Error) -> Self {
+        match error {
+            sqlx::Error::PoolTimedOut => InboxError::PoolTimedOut,
+            error => InboxError::Database(error),
+        }
+    }
 }
 
 impl InboxError {
@@ -82,7 +101,7 @@ impl InboxError {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            InboxError::Database(_) | InboxError::ClaimVanished { .. }
+            InboxError::Database(_) | InboxError::PoolTimedOut | InboxError::ClaimVanished { .. }
         )
     }
 }
@@ -103,6 +122,6 @@ pub enum GuardError<E> {
 
 impl<E> From<sqlx::Error> for GuardError<E> {
     fn from(error: sqlx::Error) -> Self {
-        GuardError::Inbox(InboxError::Database(error))
+        GuardError::Inbox(InboxError::from(error))
     }
 }

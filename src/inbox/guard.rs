@@ -45,8 +45,20 @@ impl<S> Clone for InboxGuard<S> {
 impl<S: InboxStore> InboxGuard<S> {
     /// A guard over `store`, refusing an unsafe `config` (a TTL shorter than the broker's
     /// redelivery window).
+    ///
+    /// A TTL shorter than the retention is accepted only when the configuration says so
+    /// explicitly ([`InboxConfig::allow_ttl_below_retention`]), and then logged as a
+    /// warning.
     pub fn new(store: S, config: InboxConfig) -> Result<Self, ConfigError> {
         config.validate()?;
+        if config.ttl_below_retention() {
+            tracing::warn!(
+                ttl_days = config.ttl.as_secs_f64() / 86_400.0,
+                broker_retention_days = config.broker_retention.as_secs_f64() / 86_400.0,
+                "inbox ttl is shorter than the broker retention, forced: a redelivery later than the \
+                 ttl is refused as expired, or applied a second time if the message carries no time"
+            );
+        }
         Ok(Self {
             store: Arc::new(store),
             config,
@@ -171,7 +183,7 @@ impl<S: InboxStore> InboxGuard<S> {
                 tx.rollback().await.ok();
                 self.known().remove(&key.bucket);
                 self.ensure_partition(key.bucket).await?;
-                return Err(InboxError::Database(error).into());
+                return Err(InboxError::from(error).into());
             }
             recorded => recorded?,
         };

@@ -18,7 +18,7 @@ use serde_json::Value;
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::types::Json;
-use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
+use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Row, Transaction};
 
 use crate::month::Month;
 use crate::store::{ClaimKey, FirstDelivery, InboxStore, PARTITION_PREFIX, PartitionCreation};
@@ -70,8 +70,14 @@ impl PostgresStore {
     /// (`postgres://user@host:port/db`). Connections are not pinged before each use: a
     /// broken one fails its transaction with a retryable database error instead of
     /// costing every message an extra round trip.
+    ///
+    /// A database that cannot be reached now fails at once with the cause (connection
+    /// refused, authentication, no such database): the pool's own first connection would
+    /// retry for its whole acquire timeout (30 s) and then report only a pool timeout.
+    /// Later outages are ridden through: a connection is opened again when needed.
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, sqlx::Error> {
         let options = PgConnectOptions::from_str(url)?.application_name("sagabox");
+        PgConnection::connect_with(&options).await?.close().await?;
         let pool = PgPoolOptions::new()
             .max_connections(max_connections.max(1))
             .acquire_timeout(Duration::from_secs(30))

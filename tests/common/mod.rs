@@ -6,6 +6,8 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod invariants;
+pub mod proxy;
 pub mod rabbit;
 pub mod scrape;
 

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use sagabox::InboxConfig;
+use sagabox::args;
 use sagabox::database::{migrate, prune, redact};
 use sagabox::inspect::{InspectOptions, inspect};
 use sagabox::telemetry::{LogFormat, init_tracing};
@@ -47,23 +48,23 @@ enum Command {
         /// sqlite:file.db (default: sagabox-demo.db here) or postgres://user@host:port/db
         #[arg(long, env = "DATABASE_URL", default_value = "sqlite:sagabox-demo.db")]
         database_url: String,
-        /// Orders to place.
+        /// Orders to place (with --resume: the resumed run's number is kept).
         #[arg(long, default_value_t = 1000)]
         orders: usize,
         /// Sagas in flight at once.
         #[arg(long, default_value_t = 32)]
         concurrency: usize,
         /// Share of step commands delivered twice, concurrently (0..=1).
-        #[arg(long, default_value_t = 0.5)]
+        #[arg(long, default_value_t = 0.5, value_parser = args::rate)]
         duplicate_rate: f64,
         /// Share of replies lost after the step committed (0..1).
-        #[arg(long, default_value_t = 0.1)]
+        #[arg(long, default_value_t = 0.1, value_parser = args::rate_below_one)]
         lost_reply_rate: f64,
         /// Share of handler runs failing after their write, before commit (0..1).
-        #[arg(long, default_value_t = 0.1)]
+        #[arg(long, default_value_t = 0.1, value_parser = args::rate_below_one)]
         fail_rate: f64,
         /// Share of orders whose card is declined (0..=1).
-        #[arg(long, default_value_t = 0.05)]
+        #[arg(long, default_value_t = 0.05, value_parser = args::rate)]
         decline_rate: f64,
         /// Seed of every random choice.
         #[arg(long, default_value_t = 1)]
@@ -71,7 +72,8 @@ enum Command {
         /// Bypass the inbox: the control that shows the damage.
         #[arg(long)]
         no_inbox: bool,
-        /// Place no orders; finish every unfinished saga.
+        /// Resume a killed run: finish its unfinished sagas, then place the orders it had
+        /// not placed yet (its --orders, not this one's).
         #[arg(long)]
         resume: bool,
         /// Print one JSON object instead of a table.
@@ -119,7 +121,7 @@ enum Command {
         #[arg(long, default_value_t = 4)]
         workers: usize,
         /// Share of handler runs failing after their write, before commit (0..1).
-        #[arg(long, default_value_t = 0.0)]
+        #[arg(long, default_value_t = 0.0, value_parser = args::rate_below_one)]
         fail_rate: f64,
         /// Seed of the injected failures.
         #[arg(long, default_value_t = 1)]
@@ -173,6 +175,11 @@ enum Command {
         /// Months ahead of the current one to create partitions for.
         #[arg(long, default_value_t = 2)]
         partitions_ahead: u32,
+        /// Prune with a TTL shorter than the broker retention anyway (logged as a
+        /// warning): a redelivery later than the TTL is then refused, or applied twice if
+        /// it carries no time.
+        #[arg(long)]
+        force_short_ttl: bool,
     },
     /// Measure the inbox against hand-written SQL doing the same work, in one run.
     Bench {
@@ -190,7 +197,7 @@ enum Command {
         #[arg(long, default_value_t = 8)]
         concurrency: usize,
         /// Share of messages that repeat an earlier id, 0..=1.
-        #[arg(long, default_value_t = 0.0)]
+        #[arg(long, default_value_t = 0.0, value_parser = args::rate)]
         duplicate_rate: f64,
         /// Measure the claim alone: no business statements.
         #[arg(long)]
@@ -320,6 +327,19 @@ async fn main() -> ExitCode {
         eprintln!("sagabox: {error}");
         return ExitCode::FAILURE;
     }
+    // Checked here rather than by clap, whose message would quote the URL unredacted.
+    let url = match &cli.command {
+        Command::Demo { database_url, .. }
+        | Command::Serve { database_url, .. }
+        | Command::Migrate { database_url, .. }
+        | Command::Prune { database_url, .. }
+        | Command::Inspect { database_url, .. }
+        | Command::Bench { database_url, .. } => database_url,
+    };
+    if let Err(error) = args::database_url(url) {
+        eprintln!("sagabox: --database-url: {error}");
+        return ExitCode::FAILURE;
+    }
     match cli.command {
         Command::Demo {
             database_url,
@@ -409,8 +429,20 @@ async fn main() -> ExitCode {
             ttl_days,
             broker_retention_days,
             partitions_ahead,
+            force_short_ttl,
         } => {
-            let config = inbox_config(ttl_days, broker_retention_days, partitions_ahead);
+            let config = match args::retention_config(
+                ttl_days,
+                broker_retention_days,
+                partitions_ahead,
+                force_short_ttl,
+            ) {
+                Ok(config) => config,
+                Err(error) => {
+                    eprintln!("sagabox prune: {error}");
+                    return ExitCode::FAILURE;
+                }
+            };
             match prune(&database_url, config, dry_run).await {
                 Ok(pass) => {
                     let list = |months: &[sagabox::Month]| {

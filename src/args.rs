@@ -1,0 +1,306 @@
+//! The values the `sagabox` command line takes, checked by library functions with typed
+//! errors so the binary, its tests and the fuzz targets share one definition: database
+//! URLs ([`database_url`]), fault rates ([`rate`], [`rate_below_one`]) and the pruner's
+//! retention settings ([`retention_config`], with the explicit override of the TTL
+//! check).
+//!
+//! Every error that quotes a URL quotes it [`redact`]ed.
+
+use std::time::Duration;
+
+use crate::database::{Backend, redact};
+use crate::inbox::{ConfigError, InboxConfig};
+
+/// The longest URL accepted, in bytes: far beyond any real one, and it keeps a pasted
+/// file or a runaway variable out of logs.
+pub const MAX_URL_BYTES: usize = 4096;
+
+const DAY_SECS: u64 = 86_400;
+
+/// A command-line value that was refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ArgError {
+    /// The database URL was empty.
+    #[error(
+        "the database url is empty: give postgres://user@host:port/db or sqlite:path/to/file.db"
+    )]
+    EmptyUrl,
+    /// The database URL was longer than [`MAX_URL_BYTES`].
+    #[error("the database url is {0} bytes long, the limit is {max} bytes", max = MAX_URL_BYTES)]
+    UrlTooLong(usize),
+    /// The database URL contained a control character (a stray newline, say).
+    #[error("the database url {url:?} contains a control character at byte {position}: remove it")]
+    UrlControlCharacter {
+        /// The URL, password redacted.
+        url: String,
+        /// Byte offset of the character.
+        position: usize,
+    },
+    /// Neither `postgres://…` nor `sqlite:…`.
+    #[error(
+        "unsupported database url {0:?}: use postgres://user@host:port/db or sqlite:path/to/file.db"
+    )]
+    UnsupportedUrl(String),
+    /// A PostgreSQL URL that does not parse.
+    #[error("invalid database url {url:?}: {reason}")]
+    InvalidUrl {
+        /// The URL, password redacted.
+        url: String,
+        /// What the parser said, password redacted.
+        reason: String,
+    },
+    /// A rate that is not a number.
+    #[error("{0:?} is not a number: give a rate between 0 and 1, such as 0.1")]
+    RateNotANumber(String),
+    /// A rate outside `0..=1` (or `0..1` where 1 would never end).
+    #[error("rate {} is out of range: {expected}", short(*.value))]
+    RateOutOfRange {
+        /// The value given.
+        value: f64,
+        /// What is accepted.
+        expected: &'static str,
+    },
+    /// Retention settings the inbox refuses.
+    #[error("{reason}{hint}")]
+    Retention {
+        /// Why.
+        reason: ConfigError,
+        /// What to do about it on the command line.
+        hint: &'static str,
+    },
+}
+
+/// Checks a database URL: not empty, at most [`MAX_URL_BYTES`], no control characters, a
+/// `postgres://`/`postgresql://` or `sqlite:` scheme, and — for PostgreSQL — one the
+/// driver can parse. Returns it unchanged.
+pub fn database_url(url: &str) -> Result<String, ArgError> {
+    if url.is_empty() {
+        return Err(ArgError::EmptyUrl);
+    }
+    if url.len() > MAX_URL_BYTES {
+        return Err(ArgError::UrlTooLong(url.len()));
+    }
+    if let Some((position, _)) = url.char_indices().find(|(_, c)| c.is_control()) {
+        return Err(ArgError::UrlControlCharacter {
+            url: redact(url),
+            position,
+        });
+    }
+    match Backend::of(url) {
+        #[cfg(feature = "postgres")]
+        Ok(Backend::Postgres) => {
+            use std::str::FromStr;
+            sqlx::postgres::PgConnectOptions::from_str(url).map_err(|error| {
+                ArgError::InvalidUrl {
+                    url: redact(url),
+                    reason: scrub(&error.to_string(), url),
+                }
+            })?;
+            Ok(url.to_owned())
+        }
+        Ok(_) => Ok(url.to_owned()),
+        Err(_) => Err(ArgError::UnsupportedUrl(redact(url))),
+    }
+}
+
+/// `text` with the password of `url` (if it has one) replaced: a parser's message may
+/// quote the part of the URL it choked on.
+fn scrub(text: &str, url: &str) -> String {
+    let mut text = text.to_owned();
+    for secret in passwords(url) {
+        if !secret.is_empty() {
+            text = text.replace(secret, "***");
+        }
+    }
+    text
+}
+
+/// The password-looking parts of `url`, as [`redact`] hides them.
+fn passwords(url: &str) -> Vec<&str> {
+    let mut found = Vec::new();
+    if let Some((_, rest)) = url.split_once("://")
+        && let Some((userinfo, _)) = rest.rsplit_once('@')
+        && let Some((_, password)) = userinfo.split_once(':')
+    {
+        found.push(password);
+    }
+    if let Some((_, query)) = url.split_once('?') {
+        for param in query.split('&') {
+            if let Some((name, value)) = param.split_once('=')
+                && name.to_ascii_lowercase().ends_with("password")
+            {
+                found.push(value);
+            }
+        }
+    }
+    found
+}
+
+/// `value` as written, unless that is long (Rust writes `1e-300` out in full): then in
+/// scientific notation.
+fn short(value: f64) -> String {
+    let plain = value.to_string();
+    if plain.len() > 24 {
+        format!("{value:e}")
+    } else {
+        plain
+    }
+}
+
+/// Parses a rate within `0..=1` (a share of messages, such as `0.1`).
+pub fn rate(text: &str) -> Result<f64, ArgError> {
+    let value = parse_rate(text)?;
+    if !(0.0..=1.0).contains(&value) {
+        return Err(ArgError::RateOutOfRange {
+            value,
+            expected: "give a value between 0 and 1",
+        });
+    }
+    Ok(value)
+}
+
+/// Parses a rate within `0..1`: for faults where 1 would repeat forever (every attempt
+/// failing, every reply lost).
+pub fn rate_below_one(text: &str) -> Result<f64, ArgError> {
+    let value = parse_rate(text)?;
+    if !(0.0..1.0).contains(&value) {
+        return Err(ArgError::RateOutOfRange {
+            value,
+            expected: "give a value from 0 up to, but not including, 1 (1 would fail every attempt forever)",
+        });
+    }
+    Ok(value)
+}
+
+fn parse_rate(text: &str) -> Result<f64, ArgError> {
+    let value: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| ArgError::RateNotANumber(text.chars().take(64).collect()))?;
+    if !value.is_finite() {
+        return Err(ArgError::RateOutOfRange {
+            value,
+            expected: "give a finite value between 0 and 1",
+        });
+    }
+    Ok(value)
+}
+
+/// The inbox configuration of a pruner run from the command line: `ttl_days`,
+/// `broker_retention_days`, `partitions_ahead`.
+///
+/// A TTL shorter than the broker retention is refused ([`ConfigError::TtlShorterThanRetention`],
+/// with a hint naming `--force-short-ttl`) unless `force_short_ttl` is set; then the
+/// configuration is accepted with
+/// [`allow_ttl_below_retention`](InboxConfig::allow_ttl_below_retention), and the guard
+/// built from it logs a warning. Every other limit still applies.
+pub fn retention_config(
+    ttl_days: u64,
+    broker_retention_days: u64,
+    partitions_ahead: u32,
+    force_short_ttl: bool,
+) -> Result<InboxConfig, ArgError> {
+    let days = |n: u64| Duration::from_secs(n.saturating_mul(DAY_SECS));
+    let config = InboxConfig::default()
+        .with_ttl(days(ttl_days))
+        .with_broker_retention(days(broker_retention_days))
+        .with_partitions_ahead(partitions_ahead)
+        .with_ttl_below_retention_allowed(force_short_ttl);
+    config.validate().map_err(|reason| {
+        let hint = match reason {
+            ConfigError::TtlShorterThanRetention { .. } => {
+                " (to prune anyway, knowing a late redelivery may be applied twice, pass --force-short-ttl)"
+            }
+            _ => "",
+        };
+        ArgError::Retention { reason, hint }
+    })?;
+    Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_checked() {
+        assert!(database_url("sqlite:a.db").is_ok());
+        assert!(database_url("postgres://u@127.0.0.1:5432/db").is_ok());
+        assert_eq!(database_url(""), Err(ArgError::EmptyUrl));
+        assert!(matches!(
+            database_url("mysql://u:hunter2@h/x"),
+            Err(ArgError::UnsupportedUrl(u)) if !u.contains("hunter2")
+        ));
+        let bad_port = database_url("postgres://u:hunter2@h:99999/x").unwrap_err();
+        assert!(
+            matches!(bad_port, ArgError::InvalidUrl { .. }),
+            "{bad_port}"
+        );
+        assert!(!bad_port.to_string().contains("hunter2"), "{bad_port}");
+        let newline = database_url("sqlite:a.db\n").unwrap_err();
+        assert!(matches!(
+            newline,
+            ArgError::UrlControlCharacter { position: 11, .. }
+        ));
+        assert!(matches!(
+            database_url(&"x".repeat(MAX_URL_BYTES + 1)),
+            Err(ArgError::UrlTooLong(_))
+        ));
+    }
+
+    #[test]
+    fn rates_are_checked() {
+        assert_eq!(rate("0.25"), Ok(0.25));
+        assert_eq!(rate("1"), Ok(1.0));
+        assert_eq!(rate(" 0 "), Ok(0.0));
+        assert!(matches!(rate("1.5"), Err(ArgError::RateOutOfRange { .. })));
+        assert!(matches!(rate("-0.1"), Err(ArgError::RateOutOfRange { .. })));
+        assert!(matches!(rate("NaN"), Err(ArgError::RateOutOfRange { .. })));
+        assert!(matches!(rate("inf"), Err(ArgError::RateOutOfRange { .. })));
+        assert!(matches!(rate("half"), Err(ArgError::RateNotANumber(_))));
+        assert!(matches!(
+            rate_below_one("1"),
+            Err(ArgError::RateOutOfRange { .. })
+        ));
+        assert_eq!(rate_below_one("0.999"), Ok(0.999));
+        // Found by the fuzz target: a tiny negative value was quoted 300 digits long.
+        let tiny = rate("-2.4734269389403685e-301").unwrap_err().to_string();
+        assert!(tiny.contains("-2.4734269389403685e-301"), "{tiny}");
+    }
+
+    #[test]
+    fn a_short_ttl_needs_the_explicit_override() {
+        let refused = retention_config(7, 14, 2, false).unwrap_err();
+        assert!(matches!(
+            refused,
+            ArgError::Retention {
+                reason: ConfigError::TtlShorterThanRetention { .. },
+                ..
+            }
+        ));
+        assert!(
+            refused.to_string().contains("--force-short-ttl"),
+            "{refused}"
+        );
+        let forced = retention_config(7, 14, 2, true).unwrap();
+        assert_eq!(forced.ttl, Duration::from_secs(7 * DAY_SECS));
+        assert!(forced.allow_ttl_below_retention);
+        // The override covers that one check only.
+        assert!(matches!(
+            retention_config(7, 0, 2, true),
+            Err(ArgError::Retention {
+                reason: ConfigError::ZeroRetention,
+                ..
+            })
+        ));
+        assert!(matches!(
+            retention_config(u64::MAX, 14, 2, true),
+            Err(ArgError::Retention {
+                reason: ConfigError::TtlTooLong(_),
+                ..
+            })
+        ));
+        assert!(retention_config(30, 14, 2, false).is_ok());
+    }
+}
