@@ -288,9 +288,13 @@ pub async fn serve(
         ));
     }
     config.amqp.validate()?;
-    let connections = u32::try_from(config.workers.saturating_mul(config.roles.len()) + 8)
-        .unwrap_or(32)
-        .min(64);
+    // One connection per step worker, a few for setup, and the orchestrator's drivers.
+    let orchestrator_connections = if config.orchestrator { 16 } else { 0 };
+    let connections = u32::try_from(
+        config.workers.saturating_mul(config.roles.len()) + 2 + orchestrator_connections,
+    )
+    .unwrap_or(32)
+    .min(64);
     match Backend::of(url)? {
         #[cfg(feature = "postgres")]
         Backend::Postgres => {

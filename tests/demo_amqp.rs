@@ -1,0 +1,180 @@
+//! The checkout demo over RabbitMQ with payment, inventory and email as separate
+//! `sagabox serve` processes (real broker, real PostgreSQL). Its own test binary: it
+//! needs some 60 connections, which it should not share with the other demo tests.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use sagabox::demo::{DemoConfig, run};
+
+fn faulty(orders: usize) -> DemoConfig {
+    DemoConfig {
+        orders,
+        concurrency: 32,
+        duplicate_rate: 0.5,
+        lost_reply_rate: 0.1,
+        fail_rate: 0.1,
+        decline_rate: 0.05,
+        seed: 42,
+        ..DemoConfig::default()
+    }
+}
+
+use common::rabbit::Rabbit;
+use sagabox::demo::DemoTransport;
+
+const ROLES: [&str; 3] = ["payment", "inventory", "email"];
+
+fn participant(role: &str, fx: &common::Pg, rabbit: &Rabbit) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_sagabox"))
+        .args([
+            "serve",
+            "--role",
+            role,
+            "--database-url",
+            &fx.url,
+            "--amqp-url",
+            &rabbit.config.url,
+            "--queue-prefix",
+            &rabbit.config.queue_prefix,
+            "--fail-rate",
+            "0.1",
+            "--seed",
+            "5",
+        ])
+        .env_remove("DATABASE_URL")
+        .env_remove("AMQP_URL")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn check_alive(participants: &mut [Child]) {
+    for child in participants.iter_mut() {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut stderr = String::new();
+            if let Some(mut pipe) = child.stderr.take() {
+                std::io::Read::read_to_string(&mut pipe, &mut stderr).unwrap();
+            }
+            panic!("a participant exited ({status}): {stderr}");
+        }
+    }
+}
+
+fn terminate(child: &mut Child) {
+    let sent = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+}
+
+/// The checkout demo over RabbitMQ with payment, inventory and email as separate
+/// `sagabox serve` processes (real broker, real PostgreSQL), under the saga issue's
+/// fault rates and with every broker connection closed part-way: every invariant holds,
+/// the participants stop gracefully on SIGTERM, and no command is left in a queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn participants_in_separate_processes_keep_every_invariant() {
+    let fx = common::Pg::new().await;
+    let rabbit = Rabbit::new(&ROLES).await;
+    let mut participants: Vec<Child> = ROLES
+        .iter()
+        .map(|role| participant(role, &fx, &rabbit))
+        .collect();
+    let config = DemoConfig {
+        fail_rate: 0.0, // failures are injected in the participants (--fail-rate 0.1)
+        transport: Some(DemoTransport {
+            external_participants: true,
+            queue_prefix: rabbit.config.queue_prefix.clone(),
+            ..DemoTransport::new(rabbit.config.url.clone())
+        }),
+        ..faulty(1000)
+    };
+    // Ready when each queue has its consumer; a participant that dies fails the test.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for role in ROLES {
+        while rabbit.consumers(&rabbit.queue(role)).await == 0 {
+            check_alive(&mut participants);
+            assert!(
+                Instant::now() < deadline,
+                "the {role} participant never started consuming"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let demo = tokio::spawn({
+        let url = fx.url.clone();
+        async move { run(&url, &config).await }
+    });
+    // Part-way through, the broker drops every connection of the run (participants'
+    // consumers and the orchestrator's dispatch): all reconnect, and what was in
+    // flight is redelivered and absorbed by the inboxes.
+    let mut dropped = 0;
+    while !demo.is_finished() {
+        check_alive(&mut participants);
+        if dropped == 0 {
+            let done = fx
+                .scalar("SELECT COUNT(*) FROM saga_instances WHERE status IN ('completed', 'compensated')")
+                .await;
+            if done >= 300 {
+                dropped = rabbit.close_all_connections();
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        dropped >= 4,
+        "the broker closed the participants' and the orchestrator's connections ({dropped})"
+    );
+    let summary = demo.await.unwrap().unwrap();
+    for child in &mut participants {
+        terminate(child);
+    }
+    for child in participants {
+        let output = child.wait_with_output().unwrap();
+        assert!(
+            output.status.success(),
+            "a participant did not stop cleanly: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    assert_eq!(summary.orders, 1000);
+    assert_eq!(summary.unfinished, 0, "{summary:?}");
+    assert_eq!(summary.damage(), 0, "{summary:?}");
+    assert!(
+        summary.retries > 0 && summary.duplicates_skipped > 0,
+        "{summary:?}"
+    );
+    assert!(
+        !summary.transport.contains("guest:guest"),
+        "password redacted: {}",
+        summary.transport
+    );
+    let broken = common::invariants::violations(&fx.pool).await;
+    assert!(broken.is_empty(), "invariants broken: {broken:?}");
+    // Handler failures (--fail-rate in the participants) were retried, not lost.
+    let failed_then_applied = fx
+        .scalar("SELECT COUNT(*) FROM sagabox_inbox WHERE consumer_type = 'payment'")
+        .await;
+    assert!(
+        failed_then_applied >= 1000 - summary.compensated,
+        "{failed_then_applied}"
+    );
+    for role in ROLES {
+        assert_eq!(
+            rabbit.ready(&rabbit.queue(role)).await,
+            0,
+            "{role} queue drained"
+        );
+        assert_eq!(
+            rabbit.ready(&rabbit.dead_queue(role)).await,
+            0,
+            "{role}: nothing dead-lettered"
+        );
+    }
+}
