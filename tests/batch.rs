@@ -366,6 +366,51 @@ macro_rules! batch_suite {
                 assert_eq!(fx.inbox_rows().await, 1);
             }
 
+            /// The set-based handler sees only the fresh envelopes, once each, in order;
+            /// its results map back to their slots; a wrong result count rolls back.
+            #[tokio::test]
+            async fn a_set_based_handler_gets_only_fresh_envelopes_and_its_results_map_back() {
+                let fx = fixture().await;
+                let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
+                let guard = guard(&fx, &clock, 2).await;
+                let payment = consumer("payment");
+                let [a, b, c] = ["a", "b", "c"].map(|id| envelope(&format!("set/{id}"), Timing::UuidV7(at(2026, 12, 2, 9, 0, 0))));
+                batch(&guard, &payment, std::slice::from_ref(&b), "earlier").await;
+
+                let seen = std::sync::Mutex::new(Vec::new());
+                let outcomes = guard
+                    .process_batch_set(&payment, &[a.clone(), b.clone(), c.clone(), a.clone()], async |conn, fresh| {
+                        seen.lock().unwrap().extend(fresh.iter().map(|e| e.id.clone()));
+                        let mut results = Vec::new();
+                        for (n, envelope) in fresh.iter().enumerate() {
+                            apply(conn, &payment, envelope, "set").await?;
+                            results.push(json!({"position": n}));
+                        }
+                        Ok::<_, sqlx::Error>(results)
+                    })
+                    .await
+                    .unwrap();
+                assert_eq!(*seen.lock().unwrap(), [a.id.clone(), c.id.clone()]);
+                assert_eq!(outcomes[0].as_ref().unwrap(), &Outcome::Applied(json!({"position": 0})));
+                assert!(matches!(outcomes[1].as_ref().unwrap(), Outcome::Duplicate { result, .. } if result["note"] == "earlier"));
+                assert_eq!(outcomes[2].as_ref().unwrap(), &Outcome::Applied(json!({"position": 1})));
+                assert!(matches!(outcomes[3].as_ref().unwrap(), Outcome::Duplicate { result, .. } if *result == json!({"position": 0})));
+
+                let d = envelope("set/d", Timing::UuidV7(at(2026, 12, 2, 9, 0, 0)));
+                let short = guard
+                    .process_batch_set(&payment, std::slice::from_ref(&d), async |conn, fresh| {
+                        apply(conn, &payment, fresh[0], "short").await?;
+                        Ok::<_, sqlx::Error>(Vec::new())
+                    })
+                    .await;
+                assert!(
+                    matches!(short, Err(GuardError::Inbox(InboxError::BatchResultCount { expected: 1, returned: 0 }))),
+                    "{short:?}"
+                );
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 3, "the short batch rolled back");
+                assert_eq!(fx.inbox_rows().await, 3);
+            }
+
             #[tokio::test]
             async fn an_empty_batch_does_nothing_and_an_oversized_one_is_refused() {
                 let fx = fixture().await;

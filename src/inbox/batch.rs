@@ -51,6 +51,12 @@ impl<S: InboxStore> InboxGuard<S> {
     /// batch's envelopes one by one with [`process`](Self::process). Acknowledge the
     /// batch to its source only after `Ok`.
     ///
+    /// `handler` is cloned for each envelope (capture references or `Arc`s). Handlers
+    /// take their row locks in input order and hold them until the batch commits:
+    /// batches that run concurrently and touch shared rows should present them in one
+    /// order, or the database aborts one of them as deadlocked (a retryable
+    /// [`InboxError::Database`]).
+    ///
     /// Refuses a batch of more than [`MAX_BATCH`] envelopes with
     /// [`InboxError::BatchTooLarge`]. An empty batch does nothing.
     pub async fn process_batch<F, E>(
@@ -61,6 +67,32 @@ impl<S: InboxStore> InboxGuard<S> {
     ) -> Result<Vec<Result<Outcome, InboxError>>, GuardError<E>>
     where
         F: AsyncFnOnce(&mut <S::Db as Database>::Connection, &Envelope) -> Result<Value, E> + Clone,
+    {
+        self.process_batch_set(consumer_type, envelopes, async move |conn, fresh| {
+            let mut results = Vec::with_capacity(fresh.len());
+            for envelope in fresh {
+                results.push(handler.clone()(&mut *conn, envelope).await?);
+            }
+            Ok(results)
+        })
+        .await
+    }
+
+    /// [`process_batch`](Self::process_batch) with a set-based handler: `handler` gets
+    /// the batch's fresh envelopes (neither recorded before nor repeated in the batch)
+    /// all at once, in input order, and returns one result per envelope, in the same
+    /// order — so it can apply them with a few set-based statements (`UPDATE … FROM
+    /// unnest(…)`) instead of a few per envelope. Everything else is as in
+    /// `process_batch`; a handler that returns a different number of results than it got
+    /// envelopes fails the batch with [`InboxError::BatchResultCount`] (rolled back).
+    pub async fn process_batch_set<F, E>(
+        &self,
+        consumer_type: &ConsumerType,
+        envelopes: &[Envelope],
+        handler: F,
+    ) -> Result<Vec<Result<Outcome, InboxError>>, GuardError<E>>
+    where
+        F: AsyncFnOnce(&mut <S::Db as Database>::Connection, &[&Envelope]) -> Result<Vec<Value>, E>,
     {
         let result = self
             .process_batch_inner(consumer_type, envelopes, handler)
@@ -88,7 +120,7 @@ impl<S: InboxStore> InboxGuard<S> {
         handler: F,
     ) -> Result<Vec<Result<Outcome, InboxError>>, GuardError<E>>
     where
-        F: AsyncFnOnce(&mut <S::Db as Database>::Connection, &Envelope) -> Result<Value, E> + Clone,
+        F: AsyncFnOnce(&mut <S::Db as Database>::Connection, &[&Envelope]) -> Result<Vec<Value>, E>,
     {
         if envelopes.len() > MAX_BATCH {
             return Err(InboxError::BatchTooLarge {
@@ -155,22 +187,32 @@ impl<S: InboxStore> InboxGuard<S> {
         };
         metrics::claim_duration(claim_started.elapsed());
 
+        // Per claimed key: its first delivery, or None while it waits for its result.
+        let mut claimed: Vec<Option<Outcome>> = Vec::with_capacity(keys.len());
         let mut fresh_keys = Vec::new();
-        // Per claimed key, what it did: applied with a result, or a duplicate.
-        let mut claimed: Vec<Outcome> = Vec::with_capacity(keys.len());
+        let mut fresh_envelopes = Vec::new();
         for (i, first) in firsts.into_iter().enumerate() {
-            let (key, envelope) = (keys[i], envelope_of[i]);
-            if let Some(first) = first {
-                claimed.push(Outcome::Duplicate {
-                    first_processed_at: first.processed_at,
-                    result: first.result,
-                });
-                continue;
+            claimed.push(first.map(|first| Outcome::Duplicate {
+                first_processed_at: first.processed_at,
+                result: first.result,
+            }));
+            if claimed[i].is_none() {
+                fresh_keys.push(keys[i]);
+                fresh_envelopes.push(envelope_of[i]);
             }
-            match handler.clone()(&mut *tx, envelope).await {
-                Ok(result) => {
-                    fresh_keys.push(key);
-                    claimed.push(Outcome::Applied(result));
+        }
+        let results = if fresh_envelopes.is_empty() {
+            Vec::new()
+        } else {
+            match handler(&mut *tx, &fresh_envelopes).await {
+                Ok(results) if results.len() == fresh_envelopes.len() => results,
+                Ok(results) => {
+                    tx.rollback().await.ok();
+                    return Err(InboxError::BatchResultCount {
+                        expected: fresh_envelopes.len(),
+                        returned: results.len(),
+                    }
+                    .into());
                 }
                 Err(error) => {
                     if let Err(rollback) = tx.rollback().await {
@@ -180,16 +222,10 @@ impl<S: InboxStore> InboxGuard<S> {
                     return Err(GuardError::Handler(error));
                 }
             }
-        }
+        };
 
         if !fresh_keys.is_empty() {
-            let fresh_results: Vec<&Value> = claimed
-                .iter()
-                .filter_map(|outcome| match outcome {
-                    Outcome::Applied(result) => Some(result),
-                    Outcome::Duplicate { .. } => None,
-                })
-                .collect();
+            let fresh_results: Vec<&Value> = results.iter().collect();
             let recorded = match self
                 .store()
                 .record_batch(&mut tx, &fresh_keys, now, &fresh_results)
@@ -220,6 +256,15 @@ impl<S: InboxStore> InboxGuard<S> {
             tx.rollback().await?;
         }
 
+        let mut results = results.into_iter();
+        let claimed: Vec<Outcome> = claimed
+            .into_iter()
+            .map(|first| match first {
+                Some(duplicate) => duplicate,
+                // One result per fresh key, in order: checked above.
+                None => Outcome::Applied(results.next().unwrap_or_default()),
+            })
+            .collect();
         Ok(slots
             .into_iter()
             .map(|slot| match slot {

@@ -78,6 +78,18 @@ pub enum InboxError {
         /// The limit.
         max: usize,
     },
+    /// A set-based batch handler returned a different number of results than it was
+    /// given envelopes. Nothing of the batch was applied.
+    #[error(
+        "the batch handler returned {returned} results for {expected} envelopes: return exactly \
+         one result per envelope it was given, in order; nothing of the batch was applied"
+    )]
+    BatchResultCount {
+        /// Envelopes given to the handler.
+        expected: usize,
+        /// Results it returned.
+        returned: usize,
+    },
     /// A key of the batch was recorded by another delivery while the batch ran, although
     /// the batch held its lock. Nothing of the batch was applied; retry it.
     #[error(

@@ -12,7 +12,12 @@
 //! - `actor`: the full path — each message sent to a [`StepPool`] of `--concurrency`
 //!   worker actors and its reply awaited;
 //! - `batched`: [`InboxGuard::process_batch`] over batches of `--batch` messages, one
-//!   transaction per batch (a message's latency is its batch's);
+//!   transaction per batch (a message's latency is its batch's), the business statements
+//!   per message;
+//! - `batched_set`: [`InboxGuard::process_batch_set`], the same batches with the
+//!   business statements set-based (one `UPDATE … FROM unnest`, one `INSERT … SELECT
+//!   FROM unnest` per batch on PostgreSQL; per message on SQLite, where a statement is
+//!   an in-process call);
 //! - `no_inbox`: the business statements alone, the ceiling.
 //!
 //! Each mode runs on its own consumer type (or table), with the same messages; a warm-up
@@ -91,15 +96,17 @@ enum Mode {
     Guard,
     Actor,
     Batched,
+    BatchedSet,
     NoInbox,
 }
 
 impl Mode {
-    const ALL: [Mode; 5] = [
+    const ALL: [Mode; 6] = [
         Mode::RawSql,
         Mode::Guard,
         Mode::Actor,
         Mode::Batched,
+        Mode::BatchedSet,
         Mode::NoInbox,
     ];
     fn name(self) -> &'static str {
@@ -108,6 +115,7 @@ impl Mode {
             Mode::Guard => "guard",
             Mode::Actor => "actor",
             Mode::Batched => "batched",
+            Mode::BatchedSet => "batched_set",
             Mode::NoInbox => "no_inbox",
         }
     }
@@ -249,7 +257,7 @@ fn percentile(sorted: &[Duration], p: f64) -> u64 {
 }
 
 macro_rules! backend_runner {
-    ($name:ident, $business:ident, $step:ident, $store:ty, $db:ty) => {
+    ($name:ident, $business:ident, $business_set:ident, $step:ident, $store:ty, $db:ty) => {
         /// The business statements every mode runs, in the caller's transaction.
         async fn $business(
             conn: &mut <$db as sqlx::Database>::Connection,
@@ -334,7 +342,11 @@ macro_rules! backend_runner {
                 } else {
                     None
                 };
-                let unit_size = if mode == Mode::Batched { batch } else { 1 };
+                let unit_size = if matches!(mode, Mode::Batched | Mode::BatchedSet) {
+                    batch
+                } else {
+                    1
+                };
                 let op = {
                     let (pool, guard, consumer, steps) =
                         (pool.clone(), guard.clone(), consumer.clone(), steps.clone());
@@ -389,6 +401,28 @@ macro_rules! backend_runner {
                                         .deliver(envelope.clone(), Duration::from_secs(60))
                                         .await?;
                                     usize::from(!reply.duplicate)
+                                }
+                                Mode::BatchedSet => {
+                                    let mut chunk: Vec<&(Envelope, i64)> =
+                                        messages[start..end].iter().collect();
+                                    chunk.sort_by_key(|(_, account)| *account);
+                                    let envelopes: Vec<Envelope> = chunk
+                                        .into_iter()
+                                        .map(|(envelope, _)| envelope.clone())
+                                        .collect();
+                                    let outcomes = guard
+                                        .process_batch_set(&consumer, &envelopes, async |conn, fresh| {
+                                            if !claim_only {
+                                                $business_set(conn, fresh).await?;
+                                            }
+                                            Ok::<_, sqlx::Error>(vec![serde_json::Value::Null; fresh.len()])
+                                        })
+                                        .await?;
+                                    let mut applied = 0;
+                                    for outcome in outcomes {
+                                        applied += usize::from(!outcome?.is_duplicate());
+                                    }
+                                    applied
                                 }
                                 Mode::Batched => {
                                     // Ordered by account: handlers take their row locks in
@@ -461,9 +495,58 @@ macro_rules! backend_runner {
     };
 }
 
+/// The business statements of a batch, set-based: one `UPDATE` and one `INSERT`.
+async fn business_set_pg(
+    conn: &mut sqlx::PgConnection,
+    envelopes: &[&Envelope],
+) -> Result<(), sqlx::Error> {
+    let accounts: Vec<i64> = envelopes.iter().map(|e| account_of(e)).collect();
+    let ids: Vec<&str> = envelopes.iter().map(|e| e.id.as_str()).collect();
+    let payloads: Vec<String> = envelopes.iter().map(|e| e.payload.to_string()).collect();
+    // Rows locked in id order first: the UPDATE's join locks them in plan order, and two
+    // batches locking shared rows in different orders deadlock.
+    sqlx::query("SELECT 1 FROM bench_accounts WHERE id = ANY($1) ORDER BY id FOR UPDATE")
+        .bind(&accounts)
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query(
+        "UPDATE bench_accounts a SET balance = balance + d.n \
+           FROM (SELECT id, count(*) AS n FROM unnest($1::int8[]) AS u(id) GROUP BY id) d \
+          WHERE a.id = d.id",
+    )
+    .bind(&accounts)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "INSERT INTO bench_outbox (message_id, payload) SELECT * FROM unnest($1::text[], $2::text[])",
+    )
+    .bind(&ids)
+    .bind(&payloads)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// On SQLite a statement is an in-process call: the same statements per message.
+async fn business_set_lite(
+    conn: &mut sqlx::SqliteConnection,
+    envelopes: &[&Envelope],
+) -> Result<(), sqlx::Error> {
+    for envelope in envelopes {
+        business_lite(conn, envelope, account_of(envelope)).await?;
+    }
+    Ok(())
+}
+
+/// The account a workload message deposits to (set by [`workload`]).
+fn account_of(envelope: &Envelope) -> i64 {
+    envelope.payload["account"].as_i64().unwrap_or_default()
+}
+
 backend_runner!(
     run_postgres,
     business_pg,
+    business_set_pg,
     PgStep,
     PostgresStore,
     sqlx::Postgres
@@ -471,6 +554,7 @@ backend_runner!(
 backend_runner!(
     run_sqlite,
     business_lite,
+    business_set_lite,
     LiteStep,
     SqliteStore,
     sqlx::Sqlite
@@ -492,7 +576,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<BenchReport, BoxError> {
         .find(|n| Mode::ALL.iter().all(|m| m.name() != n.as_str()))
     {
         return Err(format!(
-            "unknown mode {unknown:?}: choose from raw_sql, guard, actor, batched, no_inbox"
+            "unknown mode {unknown:?}: choose from raw_sql, guard, actor, batched, batched_set, no_inbox"
         )
         .into());
     }
