@@ -122,7 +122,7 @@ fn mailbox(c: &mut Criterion) {
                     actor
                         .call(|reply| (envelope.clone(), reply), None)
                         .await
-                        .map(|answer| answer.is_success())
+                        .is_ok_and(|answer| answer.is_success())
                 })
             })
         },

@@ -212,13 +212,16 @@ pub(super) async fn prefill(
     })
 }
 
+/// One load task's claims: `(start since t0, latency)` each.
+type LoadTask = tokio::task::JoinHandle<Result<Vec<(Duration, Duration)>, BoxError>>;
+
 /// A claim load running until stopped: `(start since t0, latency)` per claim.
 fn claim_load(
     guard: &InboxGuard<PostgresStore>,
     concurrency: usize,
     t0: Instant,
     stop: Arc<AtomicBool>,
-) -> Vec<tokio::task::JoinHandle<Result<Vec<(Duration, Duration)>, BoxError>>> {
+) -> Vec<LoadTask> {
     (0..concurrency.max(1))
         .map(|task| {
             let (guard, stop) = (guard.clone(), stop.clone());
