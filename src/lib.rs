@@ -122,10 +122,10 @@ pub mod telemetry;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use envelope::{ConsumerType, Envelope, KeyError, MAX_KEY_BYTES, MessageId};
-pub use inbox::{ConfigError, GuardError, InboxConfig, InboxError, InboxGuard, Outcome};
+pub use inbox::{ConfigError, GuardError, InboxConfig, InboxError, InboxGuard, MAX_BATCH, Outcome};
 pub use month::Month;
 #[cfg(feature = "postgres")]
 pub use store::PostgresStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
-pub use store::{FirstDelivery, InboxStore, PartitionCreation};
+pub use store::{BatchClaim, FirstDelivery, InboxStore, PartitionCreation};

@@ -27,7 +27,7 @@ use sqlx::Database;
 use tokio::task::JoinHandle;
 
 use crate::envelope::{ConsumerType, Envelope};
-use crate::inbox::{GuardError, InboxGuard, Outcome};
+use crate::inbox::{GuardError, InboxError, InboxGuard, Outcome};
 use crate::store::InboxStore;
 
 /// Why a step handler did not succeed.
@@ -112,11 +112,43 @@ pub enum StepFailure {
     Timeout(Duration),
 }
 
-/// One command for a step pool.
+/// One command for a step pool: a delivery, or a batch of them.
 #[derive(Debug)]
-pub struct StepCommand {
-    envelope: Envelope,
-    reply: RpcReplyPort<Result<StepReply, StepFailure>>,
+pub struct StepCommand(Command);
+
+#[derive(Debug)]
+enum Command {
+    One {
+        envelope: Envelope,
+        reply: RpcReplyPort<Result<StepReply, StepFailure>>,
+    },
+    Batch {
+        envelopes: Vec<Envelope>,
+        reply: RpcReplyPort<Vec<Result<StepReply, StepFailure>>>,
+    },
+}
+
+/// A step's answer to an envelope from what the inbox did with it.
+fn reply_of(outcome: Outcome) -> StepReply {
+    match outcome {
+        Outcome::Applied(record) => StepReply {
+            outcome: StepOutcome::from_record(&record),
+            duplicate: false,
+        },
+        Outcome::Duplicate { result, .. } => StepReply {
+            outcome: StepOutcome::from_record(&result),
+            duplicate: true,
+        },
+    }
+}
+
+/// How a refusal or failure of the inbox reaches the sender.
+fn failure_of(error: InboxError) -> StepFailure {
+    if error.is_retryable() {
+        StepFailure::Retryable(error.to_string())
+    } else {
+        StepFailure::Rejected(error.to_string())
+    }
 }
 
 /// A worker of a [`StepPool`].
@@ -167,20 +199,59 @@ impl<S: InboxStore, H: StepHandler<S::Db>> StepWorker<S, H> {
             )
             .await;
         match processed {
-            Ok(Outcome::Applied(record)) => Ok(StepReply {
-                outcome: StepOutcome::from_record(&record),
-                duplicate: false,
-            }),
-            Ok(Outcome::Duplicate { result, .. }) => Ok(StepReply {
-                outcome: StepOutcome::from_record(&result),
-                duplicate: true,
-            }),
+            Ok(outcome) => Ok(reply_of(outcome)),
             Err(GuardError::Handler(reason)) => Err(StepFailure::Retryable(reason)),
-            Err(GuardError::Inbox(error)) if error.is_retryable() => {
-                Err(StepFailure::Retryable(error.to_string()))
-            }
-            Err(error) => Err(StepFailure::Rejected(error.to_string())),
+            Err(GuardError::Inbox(error)) => Err(failure_of(error)),
         }
+    }
+
+    /// A batch in one transaction ([`InboxGuard::process_batch`]). When the batch fails
+    /// as a whole — a handler asked for a retry, the database failed — it was rolled
+    /// back, and its envelopes are run one by one instead, so one bad message costs only
+    /// its own answer.
+    async fn run_batch(&self, envelopes: &[Envelope]) -> Vec<Result<StepReply, StepFailure>> {
+        if !self.bypass_inbox {
+            let handler = &self.handler;
+            let processed =
+                self.guard
+                    .process_batch(&self.consumer_type, envelopes, async |conn, envelope| {
+                        match handler.handle(conn, envelope).await {
+                            Ok(value) => Ok(StepOutcome::Done(value).to_record()),
+                            Err(StepError::Permanent(reason)) => {
+                                Ok(StepOutcome::Refused(reason).to_record())
+                            }
+                            Err(StepError::Retryable(reason)) => Err(reason),
+                        }
+                    })
+                    .await;
+            match processed {
+                Ok(outcomes) => {
+                    return outcomes
+                        .into_iter()
+                        .map(|outcome| outcome.map(reply_of).map_err(failure_of))
+                        .collect();
+                }
+                Err(GuardError::Inbox(error)) if !error.is_retryable() => {
+                    let reason = error.to_string();
+                    return envelopes
+                        .iter()
+                        .map(|_| Err(StepFailure::Rejected(reason.clone())))
+                        .collect();
+                }
+                Err(error) => {
+                    tracing::debug!(
+                        consumer_type = %self.consumer_type,
+                        %error,
+                        "batch rolled back; running its envelopes one by one"
+                    );
+                }
+            }
+        }
+        let mut replies = Vec::with_capacity(envelopes.len());
+        for envelope in envelopes {
+            replies.push(self.run(envelope).await);
+        }
+        replies
     }
 }
 
@@ -206,10 +277,15 @@ impl<S: InboxStore, H: StepHandler<S::Db>> Worker for StepWorker<S, H> {
         Job { msg, key, .. }: Job<(), StepCommand>,
         _state: &mut (),
     ) -> Result<(), ActorProcessingErr> {
-        let StepCommand { envelope, reply } = msg;
-        let answer = self.run(&envelope).await;
         // The sender may have timed out and gone: its retry will get the recorded answer.
-        let _ = reply.send(answer);
+        match msg.0 {
+            Command::One { envelope, reply } => {
+                let _ = reply.send(self.run(&envelope).await);
+            }
+            Command::Batch { envelopes, reply } => {
+                let _ = reply.send(self.run_batch(&envelopes).await);
+            }
+        }
         Ok(key)
     }
 }
@@ -307,12 +383,59 @@ impl StepPool {
         let called = self
             .factory
             .call(
-                |reply| FactoryMessage::Dispatch(Job::new((), StepCommand { envelope, reply })),
+                |reply| {
+                    FactoryMessage::Dispatch(Job::new(
+                        (),
+                        StepCommand(Command::One { envelope, reply }),
+                    ))
+                },
                 Some(timeout),
             )
             .await;
         match called {
             Ok(CallResult::Success(answer)) => answer,
+            Ok(CallResult::Timeout) => Err(StepFailure::Timeout(timeout)),
+            Ok(CallResult::SenderError) => Err(StepFailure::Retryable(
+                "the worker stopped before answering (it panicked or the pool is stopping)".into(),
+            )),
+            Err(error) => Err(StepFailure::Retryable(format!(
+                "the step pool is not running: {error}"
+            ))),
+        }
+    }
+
+    /// Delivers a batch of envelopes — what a broker consumer with a prefetch above one
+    /// holds — to one worker, which runs them in one transaction
+    /// ([`InboxGuard::process_batch`]) and waits up to `timeout` for the answers: one
+    /// per envelope, in order. If the batch fails as a whole it is rolled back and its
+    /// envelopes run one by one, so a message that fails gets its own
+    /// [`StepFailure`] and the others their answers. Safe to call again with the same
+    /// envelopes at any time.
+    ///
+    /// `Err` when no answer came at all (timeout, pool stopped); an empty batch answers
+    /// at once.
+    pub async fn deliver_batch(
+        &self,
+        envelopes: Vec<Envelope>,
+        timeout: Duration,
+    ) -> Result<Vec<Result<StepReply, StepFailure>>, StepFailure> {
+        if envelopes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let called = self
+            .factory
+            .call(
+                |reply| {
+                    FactoryMessage::Dispatch(Job::new(
+                        (),
+                        StepCommand(Command::Batch { envelopes, reply }),
+                    ))
+                },
+                Some(timeout),
+            )
+            .await;
+        match called {
+            Ok(CallResult::Success(answers)) => Ok(answers),
             Ok(CallResult::Timeout) => Err(StepFailure::Timeout(timeout)),
             Ok(CallResult::SenderError) => Err(StepFailure::Retryable(
                 "the worker stopped before answering (it panicked or the pool is stopping)".into(),

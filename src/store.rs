@@ -63,6 +63,10 @@ pub struct FirstDelivery {
     pub result: Value,
 }
 
+/// A batch claim: the guard's open transaction and, per key, its first delivery if it
+/// was already recorded.
+pub type BatchClaim<Db> = (Transaction<'static, Db>, Vec<Option<FirstDelivery>>);
+
 /// A database the inbox can live in.
 ///
 /// All methods that take a transaction run inside the guard's one transaction; the
@@ -106,6 +110,30 @@ pub trait InboxStore: Debug + Send + Sync + 'static {
         first: &FirstDelivery,
         at: DateTime<Utc>,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Begins the guard's transaction for a batch and claims every key in it, waiting for
+    /// racing claims of any of them to end. Every key has the same consumer type and
+    /// appears once. Returns, in the order of `keys`, the first delivery of each key that
+    /// was already recorded.
+    ///
+    /// Overlapping batches must not deadlock: a store takes the keys' locks in one fixed
+    /// order.
+    fn begin_batch_claim(
+        &self,
+        keys: &[ClaimKey<'_>],
+    ) -> impl Future<Output = Result<BatchClaim<Self::Db>, sqlx::Error>> + Send;
+
+    /// Records every key of a batch claimed by
+    /// [`begin_batch_claim`](Self::begin_batch_claim) with its handler result
+    /// (`results[i]` for `keys[i]`). Returns how many rows were written: fewer than
+    /// `keys.len()` means some key was already recorded.
+    fn record_batch(
+        &self,
+        tx: &mut Transaction<'static, Self::Db>,
+        keys: &[ClaimKey<'_>],
+        processed_at: DateTime<Utc>,
+        results: &[&Value],
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// Creates the partition for `month` unless it exists or the month was already
     /// pruned (a pruned month is never created again).

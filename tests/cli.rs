@@ -70,7 +70,17 @@ fn check_bench_json(text: &str, messages: u64) {
     let report: serde_json::Value = serde_json::from_str(text.trim()).expect("one JSON object");
     let modes = report["modes"].as_array().expect("modes");
     let names: Vec<&str> = modes.iter().map(|m| m["mode"].as_str().unwrap()).collect();
-    assert_eq!(names, ["raw_sql", "guard", "no_inbox"]);
+    assert_eq!(
+        names,
+        [
+            "raw_sql",
+            "guard",
+            "actor",
+            "batched",
+            "batched_set",
+            "no_inbox"
+        ]
+    );
     for mode in modes {
         assert_eq!(mode["messages"].as_u64(), Some(messages), "{mode}");
         assert!(mode["msgs_per_sec"].as_f64().unwrap() > 0.0, "{mode}");
@@ -97,11 +107,13 @@ async fn bench_reports_every_mode_on_postgres_and_dedups_repeats() {
     check_bench_json(&out, 300);
     let report: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     let applied = |i: usize| report["modes"][i]["applied"].as_u64().unwrap();
-    // The same repeated ids: the raw baseline and the guard both apply each once;
-    // without an inbox every repeat is applied again.
-    assert_eq!(applied(0), applied(1));
+    // The same repeated ids: the raw baseline, the guard, the step pool and both batched
+    // modes apply each once; without an inbox every repeat is applied again.
+    for deduplicating in 1..=4 {
+        assert_eq!(applied(0), applied(deduplicating), "mode {deduplicating}");
+    }
     assert!(applied(1) < 300, "repeats were deduplicated");
-    assert_eq!(applied(2), 300);
+    assert_eq!(applied(5), 300);
     // The scratch schema is gone afterwards.
     let left = db
         .scalar("SELECT COUNT(*) FROM pg_namespace WHERE nspname LIKE 'sagabox_bench_%'")
@@ -141,6 +153,10 @@ fn bench_refuses_bad_arguments() {
     );
     let output = sagabox(&["bench", "--database-url", "sqlite:x.db", "--modes", "turbo"]);
     assert!(String::from_utf8_lossy(&output.stderr).contains("unknown mode \"turbo\""));
+    let output = sagabox(&["bench", "--database-url", "sqlite:x.db", "--batch", "0"]);
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--batch must be within 1..=10000"));
+    let output = sagabox(&["bench", "--database-url", "sqlite:x.db", "--prefill", "10"]);
+    assert!(String::from_utf8_lossy(&output.stderr).contains("run on PostgreSQL only"));
 }
 
 #[tokio::test]
@@ -157,4 +173,49 @@ async fn prune_dry_run_changes_nothing_and_a_pass_creates_ahead() {
     let refused = sagabox(&["prune", "--database-url", &db.url, "--ttl-days", "7"]);
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("shorter than the broker retention"));
+}
+
+/// `--prefill` and `--prune-rows` on a small scale: the figures are there and say what
+/// they measured (the row counts it was asked for; a drop that moved the rows out).
+#[tokio::test]
+async fn bench_prefill_and_pruning_report_their_figures_on_postgres() {
+    let db = common::Pg::new().await;
+    let out = stdout(&sagabox(&[
+        "bench",
+        "--database-url",
+        &db.url,
+        "--messages",
+        "200",
+        "--concurrency",
+        "2",
+        "--modes",
+        "guard",
+        "--prefill",
+        "1205",
+        "--prune-rows",
+        "300",
+        "--json",
+    ]));
+    let report: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    let scale = &report["scale"];
+    assert_eq!(scale["rows"].as_u64(), Some(1205), "{scale}");
+    assert_eq!(scale["months"].as_u64(), Some(12));
+    assert_eq!(
+        scale["rows_in_claimed_month"].as_u64(),
+        Some(1205 - 11 * 100)
+    );
+    assert!(scale["ratio_to_empty"].as_f64().unwrap() > 0.0);
+    let pruning = &report["pruning"];
+    assert_eq!(pruning["rows"].as_u64(), Some(300), "{pruning}");
+    for retire in ["delete", "vacuum", "drop"] {
+        assert!(
+            pruning[retire]["seconds"].as_f64().unwrap() > 0.0,
+            "{pruning}"
+        );
+    }
+    assert!(pruning["claims_outside"].as_u64().unwrap() > 0, "{pruning}");
+    let left = db
+        .scalar("SELECT COUNT(*) FROM pg_namespace WHERE nspname LIKE 'sagabox_bench_%'")
+        .await;
+    assert_eq!(left, 0, "the scratch schema is dropped");
 }

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use sagabox::step::{StepError, StepFailure, StepHandler, StepOutcome, StepPool, StepPoolConfig};
+use sagabox::step::{
+    StepError, StepFailure, StepHandler, StepOutcome, StepPool, StepPoolConfig, StepReply,
+};
 use sagabox::{ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId};
 use serde_json::{Value, json};
 use tokio::sync::Notify;
@@ -177,6 +179,40 @@ macro_rules! step_suite {
                     pool.deliver(command(&format!("after-{n}"), "apply"), WAIT).await.unwrap();
                 }
                 assert_eq!(effects(&fx).await, 7);
+                pool.stop().await;
+            }
+
+            /// A batch through one worker: fresh ones applied, a duplicate answered with
+            /// the first result, a refusal recorded; a batch with a message that asks for
+            /// a retry is rolled back and run one by one, so only that one fails.
+            #[tokio::test]
+            async fn a_batch_is_answered_per_envelope_and_a_failing_one_fails_alone() {
+                let fx = <$fixture>::new().await;
+                fx.exec(EFFECTS_DDL).await;
+                let step = TestStep::new();
+                let pool = pool(&fx, &step, 2).await;
+                let earlier = command("batch/earlier", "apply");
+                pool.deliver(earlier.clone(), WAIT).await.unwrap();
+                let answers = pool
+                    .deliver_batch(vec![command("batch/a", "apply"), earlier.clone(), command("batch/r", "refuse")], WAIT)
+                    .await
+                    .unwrap();
+                assert_eq!(answers[0], Ok(StepReply { outcome: StepOutcome::Done(json!({"applied": "batch/a"})), duplicate: false }));
+                assert_eq!(answers[1], Ok(StepReply { outcome: StepOutcome::Done(json!({"applied": "batch/earlier"})), duplicate: true }));
+                assert_eq!(answers[2], Ok(StepReply { outcome: StepOutcome::Refused("out of stock".into()), duplicate: false }));
+                assert_eq!(effects(&fx).await, 2);
+                assert_eq!(fx.inbox_rows().await, 3);
+
+                let answers = pool
+                    .deliver_batch(vec![command("batch/b", "apply"), command("batch/f", "flaky"), command("batch/c", "apply")], WAIT)
+                    .await
+                    .unwrap();
+                assert!(matches!(&answers[0], Ok(reply) if !reply.duplicate), "{answers:?}");
+                assert_eq!(answers[1], Err(StepFailure::Retryable("lock timeout".into())));
+                assert!(matches!(&answers[2], Ok(reply) if !reply.duplicate), "{answers:?}");
+                assert_eq!(effects(&fx).await, 4, "b and c applied once each, f not at all");
+                assert_eq!(fx.inbox_rows().await, 5);
+                assert!(pool.deliver_batch(Vec::new(), WAIT).await.unwrap().is_empty());
                 pool.stop().await;
             }
 

@@ -68,6 +68,38 @@ pub enum InboxError {
         /// The message.
         message_id: MessageId,
     },
+    /// A batch larger than [`MAX_BATCH`](crate::inbox::MAX_BATCH) envelopes.
+    #[error(
+        "batch of {len} envelopes is larger than the limit of {max}: split it into smaller batches"
+    )]
+    BatchTooLarge {
+        /// The envelopes passed.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A set-based batch handler returned a different number of results than it was
+    /// given envelopes. Nothing of the batch was applied.
+    #[error(
+        "the batch handler returned {returned} results for {expected} envelopes: return exactly \
+         one result per envelope it was given, in order; nothing of the batch was applied"
+    )]
+    BatchResultCount {
+        /// Envelopes given to the handler.
+        expected: usize,
+        /// Results it returned.
+        returned: usize,
+    },
+    /// A key of the batch was recorded by another delivery while the batch ran, although
+    /// the batch held its lock. Nothing of the batch was applied; retry it.
+    #[error(
+        "a message of the batch for {consumer_type} was recorded by a racing delivery while the \
+         batch held its lock; nothing of the batch was applied, retry"
+    )]
+    BatchRaced {
+        /// The consumer.
+        consumer_type: ConsumerType,
+    },
     /// Running the migrations failed.
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
@@ -101,7 +133,10 @@ impl InboxError {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            InboxError::Database(_) | InboxError::PoolTimedOut | InboxError::ClaimVanished { .. }
+            InboxError::Database(_)
+                | InboxError::PoolTimedOut
+                | InboxError::ClaimVanished { .. }
+                | InboxError::BatchRaced { .. }
         )
     }
 }

@@ -276,7 +276,7 @@ impl<S: InboxStore> InboxGuard<S> {
     /// deliveries — a UUIDv7 id, or a publish time the configuration trusts — so every
     /// redelivery, next month too, meets the first one in the same partition. Otherwise
     /// it looks in every live partition, under the key's lock.
-    fn placement<'a>(
+    pub(super) fn placement<'a>(
         &self,
         consumer_type: &'a ConsumerType,
         envelope: &'a Envelope,
@@ -324,7 +324,7 @@ impl<S: InboxStore> InboxGuard<S> {
         })
     }
 
-    async fn ensure_partition(&self, month: Month) -> Result<(), InboxError> {
+    pub(super) async fn ensure_partition(&self, month: Month) -> Result<(), InboxError> {
         if self.known().contains(&month) {
             return Ok(());
         }
@@ -335,6 +335,12 @@ impl<S: InboxStore> InboxGuard<S> {
         }
         self.known().insert(month);
         Ok(())
+    }
+
+    /// Forgets that `month` has a partition (a pruner dropped it), so the next claim
+    /// asks the store again.
+    pub(super) fn forget_partition(&self, month: Month) {
+        self.known().remove(&month);
     }
 
     fn known(&self) -> std::sync::MutexGuard<'_, BTreeSet<Month>> {

@@ -21,7 +21,9 @@ use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Row, Transaction};
 
 use crate::month::Month;
-use crate::store::{ClaimKey, FirstDelivery, InboxStore, PARTITION_PREFIX, PartitionCreation};
+use crate::store::{
+    BatchClaim, ClaimKey, FirstDelivery, InboxStore, PARTITION_PREFIX, PartitionCreation,
+};
 
 /// The PostgreSQL migrations, embedded at build time.
 pub static MIGRATOR: Migrator = sqlx::migrate!("migrations/postgres");
@@ -179,6 +181,107 @@ impl InboxStore for PostgresStore {
             None => None,
         };
         Ok((tx, first))
+    }
+
+    async fn begin_batch_claim(
+        &self,
+        keys: &[ClaimKey<'_>],
+    ) -> Result<BatchClaim<Postgres>, sqlx::Error> {
+        let Some(consumer_type) = keys.first().map(|key| key.consumer_type) else {
+            return Ok((self.pool.begin().await?, Vec::new()));
+        };
+        let mut tx = self
+            .pool
+            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .await?;
+        // Blocking locks, ascending, in one statement (a function scan yields the array
+        // in order): two overlapping batches take their common keys in the same order and
+        // cannot deadlock. Locks come before the lookups, in a statement of their own, so
+        // the lookups' snapshot sees whatever a racing claim of these keys committed —
+        // no late conflict is possible, whichever partition a key's first row is in.
+        let mut locks: Vec<i32> = keys.iter().map(key_lock).collect();
+        locks.sort_unstable();
+        locks.dedup();
+        sqlx::query("SELECT pg_advisory_xact_lock($1, k) FROM unnest($2::int4[]) AS u(k)")
+            .bind(LOCK_CLASS)
+            .bind(&locks)
+            .execute(&mut *tx)
+            .await?;
+
+        // One lookup per partition the batch names (usually one), one through the parent
+        // for the keys whose earlier deliveries may be in any partition.
+        let mut groups: Vec<(Option<Month>, Vec<&str>)> = Vec::new();
+        for key in keys {
+            let bucket = (!key.probe_all).then_some(key.bucket);
+            match groups.iter_mut().find(|(b, _)| *b == bucket) {
+                Some((_, ids)) => ids.push(key.message_id.as_str()),
+                None => groups.push((bucket, vec![key.message_id.as_str()])),
+            }
+        }
+        let mut found: std::collections::HashMap<String, FirstDelivery> =
+            std::collections::HashMap::new();
+        for (bucket, ids) in groups {
+            let sql = match bucket {
+                Some(month) => format!(
+                    "SELECT message_id, processed_at, result FROM {} \
+                     WHERE consumer_type = $1 AND message_id = ANY($2)",
+                    partition_name(month)
+                ),
+                None => "SELECT DISTINCT ON (message_id) message_id, processed_at, result \
+                         FROM sagabox_inbox WHERE consumer_type = $1 AND message_id = ANY($2) \
+                         ORDER BY message_id, processed_at"
+                    .to_owned(),
+            };
+            let rows: Vec<(String, DateTime<Utc>, Json<Value>)> =
+                sqlx::query_as(AssertSqlSafe(sql))
+                    .bind(consumer_type.as_str())
+                    .bind(&ids)
+                    .fetch_all(&mut *tx)
+                    .await?;
+            for (message_id, processed_at, Json(result)) in rows {
+                found.insert(
+                    message_id,
+                    FirstDelivery {
+                        processed_at,
+                        result,
+                    },
+                );
+            }
+        }
+        let firsts = keys
+            .iter()
+            .map(|key| found.remove(key.message_id.as_str()))
+            .collect();
+        Ok((tx, firsts))
+    }
+
+    async fn record_batch(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        keys: &[ClaimKey<'_>],
+        processed_at: DateTime<Utc>,
+        results: &[&Value],
+    ) -> Result<u64, sqlx::Error> {
+        let Some(consumer_type) = keys.first().map(|key| key.consumer_type) else {
+            return Ok(0);
+        };
+        let ids: Vec<&str> = keys.iter().map(|key| key.message_id.as_str()).collect();
+        let buckets: Vec<NaiveDate> = keys.iter().map(|key| key.bucket.first_day()).collect();
+        let results: Vec<Json<&Value>> = results.iter().map(|result| Json(*result)).collect();
+        let done = sqlx::query(
+            "INSERT INTO sagabox_inbox (consumer_type, message_id, bucket, processed_at, result) \
+             SELECT $1, u.message_id, u.bucket, $2, u.result \
+               FROM unnest($3::text[], $4::date[], $5::jsonb[]) AS u(message_id, bucket, result) \
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(consumer_type.as_str())
+        .bind(processed_at)
+        .bind(&ids)
+        .bind(&buckets)
+        .bind(&results)
+        .execute(&mut **tx)
+        .await?;
+        Ok(done.rows_affected())
     }
 
     async fn begin_plain(&self) -> Result<Transaction<'static, Self::Db>, sqlx::Error> {

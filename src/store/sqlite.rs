@@ -20,7 +20,9 @@ use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection, Transaction};
 
 use crate::month::Month;
-use crate::store::{ClaimKey, FirstDelivery, InboxStore, PARTITION_PREFIX, PartitionCreation};
+use crate::store::{
+    BatchClaim, ClaimKey, FirstDelivery, InboxStore, PARTITION_PREFIX, PartitionCreation,
+};
 
 /// The SQLite migrations, embedded at build time.
 pub static MIGRATOR: Migrator = sqlx::migrate!("migrations/sqlite");
@@ -126,6 +128,52 @@ async fn pruned_through(conn: &mut SqliteConnection) -> Result<Option<Month>, sq
         .transpose()
 }
 
+/// Looks up `key`'s first delivery inside the claim's write transaction: in its own
+/// month's table, or in every monthly table (listed once per transaction, in `tables`)
+/// when the message carries no stable time.
+async fn lookup(
+    conn: &mut SqliteConnection,
+    key: &ClaimKey<'_>,
+    tables: &mut Option<Vec<Month>>,
+) -> Result<Option<FirstDelivery>, sqlx::Error> {
+    let months = if key.probe_all {
+        if tables.is_none() {
+            *tables = Some(list_tables(&mut *conn).await?);
+        }
+        tables.as_deref().unwrap_or_default()
+    } else {
+        std::slice::from_ref(&key.bucket)
+    };
+    if months.is_empty() {
+        return Ok(None);
+    }
+    // Table names come from validated Months only.
+    let sql = months
+        .iter()
+        .map(|month| {
+            format!(
+                "SELECT processed_at, result FROM {} WHERE consumer_type = $1 AND message_id = $2",
+                table_name(*month)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" UNION ALL ");
+    let row = sqlx::query(AssertSqlSafe(format!(
+        "{sql} ORDER BY processed_at LIMIT 1"
+    )))
+    .bind(key.consumer_type.as_str())
+    .bind(key.message_id.as_str())
+    .fetch_optional(&mut *conn)
+    .await?;
+    row.map(|row| {
+        Ok(FirstDelivery {
+            processed_at: row.try_get("processed_at")?,
+            result: row.try_get::<Json<Value>, _>("result")?.0,
+        })
+    })
+    .transpose()
+}
+
 impl InboxStore for SqliteStore {
     type Db = Sqlite;
 
@@ -135,41 +183,40 @@ impl InboxStore for SqliteStore {
     ) -> Result<(Transaction<'static, Sqlite>, Option<FirstDelivery>), sqlx::Error> {
         // The write lock up front: the lookup and all that follows run alone.
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let months = if key.probe_all {
-            list_tables(&mut tx).await?
-        } else {
-            vec![key.bucket]
-        };
-        if months.is_empty() {
-            return Ok((tx, None));
-        }
-        // Table names come from validated Months only.
-        let sql = months
-            .iter()
-            .map(|month| {
-                format!(
-                    "SELECT processed_at, result FROM {} WHERE consumer_type = $1 AND message_id = $2",
-                    table_name(*month)
-                )
-            })
-            .collect::<Vec<_>>()
-            .join(" UNION ALL ");
-        let row = sqlx::query(AssertSqlSafe(format!(
-            "{sql} ORDER BY processed_at LIMIT 1"
-        )))
-        .bind(key.consumer_type.as_str())
-        .bind(key.message_id.as_str())
-        .fetch_optional(&mut *tx)
-        .await?;
-        let first = row
-            .map(|row| {
-                Ok::<_, sqlx::Error>(FirstDelivery {
-                    processed_at: row.try_get("processed_at")?,
-                    result: row.try_get::<Json<Value>, _>("result")?.0,
-                })
-            })
-            .transpose()?;
+        let mut tables = None;
+        let first = lookup(&mut tx, key, &mut tables).await?;
         Ok((tx, first))
+    }
+
+    async fn begin_batch_claim(
+        &self,
+        keys: &[ClaimKey<'_>],
+    ) -> Result<BatchClaim<Sqlite>, sqlx::Error> {
+        // One write lock for the whole batch: no other claim runs until it commits, and
+        // the lookups are in-process calls, so one per key costs no round trip.
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut tables = None;
+        let mut firsts = Vec::with_capacity(keys.len());
+        for key in keys {
+            firsts.push(lookup(&mut tx, key, &mut tables).await?);
+        }
+        Ok((tx, firsts))
+    }
+
+    async fn record_batch(
+        &self,
+        tx: &mut Transaction<'static, Sqlite>,
+        keys: &[ClaimKey<'_>],
+        processed_at: DateTime<Utc>,
+        results: &[&Value],
+    ) -> Result<u64, sqlx::Error> {
+        let mut written = 0;
+        for (key, result) in keys.iter().zip(results) {
+            if self.record(tx, key, processed_at, result).await? {
+                written += 1;
+            }
+        }
+        Ok(written)
     }
 
     async fn begin_plain(&self) -> Result<Transaction<'static, Self::Db>, sqlx::Error> {

@@ -9,9 +9,22 @@
 //!   unpartitioned inbox, then the business statements if the claim was fresh;
 //! - `guard`: [`InboxGuard::process`] (partitioned inbox, cross-partition uniqueness,
 //!   result recorded);
+//! - `actor`: the full path — each message sent to a [`StepPool`] of `--concurrency`
+//!   worker actors and its reply awaited;
+//! - `batched`: [`InboxGuard::process_batch`] over batches of `--batch` messages, one
+//!   transaction per batch (a message's latency is its batch's), the business statements
+//!   per message;
+//! - `batched_set`: [`InboxGuard::process_batch_set`], the same batches with the
+//!   business statements set-based (one `UPDATE … FROM unnest`, one `INSERT … SELECT
+//!   FROM unnest` per batch on PostgreSQL; per message on SQLite, where a statement is
+//!   an in-process call);
 //! - `no_inbox`: the business statements alone, the ceiling.
 //!
-//! Each mode runs on its own fresh tables and ids; a warm-up of 10 % is excluded.
+//! Each mode runs on its own consumer type (or table), with the same messages; a warm-up
+//! of 10 % is excluded. `--prefill` and `--prune-rows` (PostgreSQL) add the table-scale
+//! and pruning measurements of [`scale`].
+
+mod scale;
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -21,8 +34,10 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use sagabox::database::{Backend, redact};
+use sagabox::step::{StepError, StepHandler, StepPool, StepPoolConfig};
 use sagabox::{
-    ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId, PostgresStore, SqliteStore,
+    ConsumerType, Envelope, InboxConfig, InboxGuard, MAX_BATCH, MessageId, PostgresStore,
+    SqliteStore,
 };
 use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -39,6 +54,9 @@ pub(crate) struct BenchArgs {
     pub(crate) seed: u64,
     pub(crate) modes: Vec<String>,
     pub(crate) timeless: bool,
+    pub(crate) batch: usize,
+    pub(crate) prefill: u64,
+    pub(crate) prune_rows: u64,
 }
 
 /// Figures for one mode.
@@ -51,6 +69,9 @@ pub(crate) struct ModeReport {
     p50_us: u64,
     p99_us: u64,
     ratio_to_raw: f64,
+    /// Resident memory of the bench process after the warm-up and at the end, in MiB.
+    rss_mb_after_warmup: f64,
+    rss_mb_end: f64,
 }
 
 /// The whole run.
@@ -61,25 +82,74 @@ pub(crate) struct BenchReport {
     duplicate_rate: f64,
     claim_only: bool,
     timeless: bool,
+    batch: usize,
     modes: Vec<ModeReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scale: Option<scale::ScaleReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pruning: Option<scale::PruneReport>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Mode {
     RawSql,
     Guard,
+    Actor,
+    Batched,
+    BatchedSet,
     NoInbox,
 }
 
 impl Mode {
-    const ALL: [Mode; 3] = [Mode::RawSql, Mode::Guard, Mode::NoInbox];
+    const ALL: [Mode; 6] = [
+        Mode::RawSql,
+        Mode::Guard,
+        Mode::Actor,
+        Mode::Batched,
+        Mode::BatchedSet,
+        Mode::NoInbox,
+    ];
     fn name(self) -> &'static str {
         match self {
             Mode::RawSql => "raw_sql",
             Mode::Guard => "guard",
+            Mode::Actor => "actor",
+            Mode::Batched => "batched",
+            Mode::BatchedSet => "batched_set",
             Mode::NoInbox => "no_inbox",
         }
     }
+}
+
+/// Resident memory of this process in MiB (Linux `/proc`; 0 elsewhere).
+fn rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix("VmRSS:"))
+                .and_then(|rest| {
+                    rest.trim()
+                        .trim_end_matches("kB")
+                        .trim()
+                        .parse::<f64>()
+                        .ok()
+                })
+        })
+        .map_or(0.0, |kib| kib / 1024.0)
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// One mode's raw figures.
+struct ModeRun {
+    mode: Mode,
+    latencies: Vec<Duration>,
+    applied: usize,
+    elapsed: Duration,
+    rss_after_warmup: f64,
+    rss_end: f64,
 }
 
 const ACCOUNTS: i64 = 1000;
@@ -121,47 +191,51 @@ fn workload(args: &BenchArgs, rng: &mut StdRng) -> Arc<Vec<(Envelope, i64)>> {
         } else {
             Ok(MessageId::new_v7())
         };
-        let envelope =
-            match id.and_then(|id| Envelope::new(id, "deposit", serde_json::json!({"n": i}))) {
-                Ok(envelope) => envelope,
-                Err(error) => unreachable!("static kind is valid: {error}"),
-            };
-        messages.push((envelope, rng.random_range(0..ACCOUNTS)));
+        let account = rng.random_range(0..ACCOUNTS);
+        // The account rides in the payload too: the `actor` mode's step reads it there.
+        let payload = serde_json::json!({"n": i, "account": account});
+        let envelope = match id.and_then(|id| Envelope::new(id, "deposit", payload)) {
+            Ok(envelope) => envelope,
+            Err(error) => unreachable!("static kind is valid: {error}"),
+        };
+        messages.push((envelope, account));
     }
     Arc::new(messages)
 }
 
-/// Runs `op` over every message from `concurrency` tasks; returns per-message latencies
-/// and how many were applied.
+/// Runs `op` over units `0..units` (a message, or a batch) from `concurrency` tasks.
+/// `op` returns how many messages the unit held and how many it applied; each message
+/// is given its unit's latency. Returns the latencies, the applied count and the time.
 async fn drive<F, Fut>(
-    messages: Arc<Vec<(Envelope, i64)>>,
+    units: usize,
     concurrency: usize,
     op: F,
-) -> Result<(Vec<Duration>, usize, Duration), Box<dyn std::error::Error + Send + Sync>>
+) -> Result<(Vec<Duration>, usize, Duration), BoxError>
 where
-    F: Fn(Arc<Vec<(Envelope, i64)>>, usize) -> Fut + Send + Sync + Clone + 'static,
-    Fut: Future<Output = Result<bool, Box<dyn std::error::Error + Send + Sync>>> + Send,
+    F: Fn(usize) -> Fut + Send + Sync + Clone + 'static,
+    Fut: Future<Output = Result<(usize, usize), BoxError>> + Send,
 {
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let mut tasks = Vec::new();
-    for _ in 0..concurrency.max(1) {
-        let (next, messages, op) = (next.clone(), messages.clone(), op.clone());
+    let tasks_n = concurrency.max(1);
+    for _ in 0..tasks_n {
+        let (next, op) = (next.clone(), op.clone());
         tasks.push(tokio::spawn(async move {
-            let mut latencies = Vec::new();
+            let mut latencies = Vec::with_capacity(units / tasks_n + 1);
             let mut applied = 0;
             loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= messages.len() {
+                let unit = next.fetch_add(1, Ordering::Relaxed);
+                if unit >= units {
                     break;
                 }
                 let t = Instant::now();
-                if op(messages.clone(), i).await? {
-                    applied += 1;
-                }
-                latencies.push(t.elapsed());
+                let (messages, unit_applied) = op(unit).await?;
+                let latency = t.elapsed();
+                latencies.extend(std::iter::repeat_n(latency, messages));
+                applied += unit_applied;
             }
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>((latencies, applied))
+            Ok::<_, BoxError>((latencies, applied))
         }));
     }
     let mut latencies = Vec::new();
@@ -183,40 +257,61 @@ fn percentile(sorted: &[Duration], p: f64) -> u64 {
 }
 
 macro_rules! backend_runner {
-    ($name:ident, $store:ty, $db:ty) => {
-        async fn $name(
-            pool: Pool<$db>,
-            store: $store,
-            args: &BenchArgs,
-        ) -> Result<
-            Vec<(Mode, Vec<Duration>, usize, Duration)>,
-            Box<dyn std::error::Error + Send + Sync>,
-        > {
-            /// The business statements every mode runs, in the caller's transaction.
-            async fn business(
+    ($name:ident, $business:ident, $business_set:ident, $step:ident, $store:ty, $db:ty) => {
+        /// The business statements every mode runs, in the caller's transaction.
+        async fn $business(
+            conn: &mut <$db as sqlx::Database>::Connection,
+            envelope: &Envelope,
+            account: i64,
+        ) -> Result<(), sqlx::Error> {
+            sqlx::query(BUSINESS_UPDATE)
+                .bind(account)
+                .execute(&mut *conn)
+                .await?;
+            sqlx::query(OUTBOX_INSERT)
+                .bind(envelope.id.as_str())
+                .bind(envelope.payload.to_string())
+                .execute(&mut *conn)
+                .await?;
+            Ok(())
+        }
+
+        /// The `actor` mode's step: the same business statements, the account read from
+        /// the payload.
+        #[derive(Debug)]
+        struct $step {
+            claim_only: bool,
+        }
+
+        impl StepHandler<$db> for $step {
+            async fn handle(
+                &self,
                 conn: &mut <$db as sqlx::Database>::Connection,
                 envelope: &Envelope,
-                account: i64,
-            ) -> Result<(), sqlx::Error> {
-                sqlx::query(BUSINESS_UPDATE)
-                    .bind(account)
-                    .execute(&mut *conn)
-                    .await?;
-                sqlx::query(OUTBOX_INSERT)
-                    .bind(envelope.id.as_str())
-                    .bind(envelope.payload.to_string())
-                    .execute(&mut *conn)
-                    .await?;
-                Ok(())
+            ) -> Result<serde_json::Value, StepError> {
+                if !self.claim_only {
+                    let account = envelope.payload["account"].as_i64().ok_or_else(|| {
+                        StepError::Permanent("payload has no integer account".into())
+                    })?;
+                    $business(conn, envelope, account)
+                        .await
+                        .map_err(|error| StepError::Retryable(error.to_string()))?;
+                }
+                Ok(serde_json::Value::Null)
             }
+        }
 
-            let guard = InboxGuard::new(store, InboxConfig::default())?;
-            guard.migrate().await?;
+        async fn $name(
+            pool: Pool<$db>,
+            guard: InboxGuard<$store>,
+            args: &BenchArgs,
+        ) -> Result<Vec<ModeRun>, BoxError> {
             let mut rng = StdRng::seed_from_u64(args.seed);
             let claim_only = args.claim_only;
+            let batch = args.batch;
             let mut results = Vec::new();
-            // Every mode gets the same messages; its own consumer type (guard) or table
-            // (raw_sql) keeps one mode's claims from meeting another's.
+            // Every mode gets the same messages; its own consumer type (guard, actor,
+            // batched) or table (raw_sql) keeps one mode's claims from meeting another's.
             let messages = workload(args, &mut rng);
             let warmup = workload(
                 &BenchArgs {
@@ -229,15 +324,39 @@ macro_rules! backend_runner {
                 .into_iter()
                 .filter(|m| args.modes.is_empty() || args.modes.iter().any(|n| n == m.name()))
             {
-                let (messages, warmup) = (messages.clone(), warmup.clone());
                 let consumer = ConsumerType::new(format!("bench-{}", mode.name()))?;
+                let steps = if mode == Mode::Actor {
+                    let config = StepPoolConfig {
+                        workers: args.concurrency,
+                        ..StepPoolConfig::default()
+                    };
+                    Some(Arc::new(
+                        StepPool::spawn(
+                            guard.clone(),
+                            consumer.clone(),
+                            $step { claim_only },
+                            config,
+                        )
+                        .await?,
+                    ))
+                } else {
+                    None
+                };
+                let unit_size = if matches!(mode, Mode::Batched | Mode::BatchedSet) {
+                    batch
+                } else {
+                    1
+                };
                 let op = {
-                    let (pool, guard, consumer) = (pool.clone(), guard.clone(), consumer.clone());
-                    move |messages: Arc<Vec<(Envelope, i64)>>, i: usize| {
-                        let (pool, guard, consumer) =
-                            (pool.clone(), guard.clone(), consumer.clone());
+                    let (pool, guard, consumer, steps) =
+                        (pool.clone(), guard.clone(), consumer.clone(), steps.clone());
+                    move |messages: Arc<Vec<(Envelope, i64)>>, unit: usize| {
+                        let (pool, guard, consumer, steps) =
+                            (pool.clone(), guard.clone(), consumer.clone(), steps.clone());
                         async move {
-                            let (envelope, account) = &messages[i];
+                            let start = unit * unit_size;
+                            let end = (start + unit_size).min(messages.len());
+                            let (envelope, account) = &messages[start];
                             let account = *account;
                             let applied = match mode {
                                 Mode::RawSql => {
@@ -251,52 +370,199 @@ macro_rules! backend_runner {
                                         .rows_affected()
                                         == 1;
                                     if fresh && !claim_only {
-                                        business(&mut tx, envelope, account).await?;
+                                        $business(&mut tx, envelope, account).await?;
                                     }
                                     tx.commit().await?;
-                                    fresh
+                                    usize::from(fresh)
                                 }
                                 Mode::NoInbox => {
                                     let mut tx = pool.begin().await?;
                                     if !claim_only {
-                                        business(&mut tx, envelope, account).await?;
+                                        $business(&mut tx, envelope, account).await?;
                                     }
                                     tx.commit().await?;
-                                    true
+                                    1
                                 }
                                 Mode::Guard => {
                                     let outcome = guard
                                         .process(&consumer, envelope, async |conn, envelope| {
                                             if !claim_only {
-                                                business(conn, envelope, account).await?;
+                                                $business(conn, envelope, account).await?;
                                             }
                                             Ok::<_, sqlx::Error>(serde_json::Value::Null)
                                         })
                                         .await?;
-                                    !outcome.is_duplicate()
+                                    usize::from(!outcome.is_duplicate())
+                                }
+                                Mode::Actor => {
+                                    let steps =
+                                        steps.as_ref().ok_or("actor mode without a pool")?;
+                                    let reply = steps
+                                        .deliver(envelope.clone(), Duration::from_secs(60))
+                                        .await?;
+                                    usize::from(!reply.duplicate)
+                                }
+                                Mode::BatchedSet => {
+                                    let mut chunk: Vec<&(Envelope, i64)> =
+                                        messages[start..end].iter().collect();
+                                    chunk.sort_by_key(|(_, account)| *account);
+                                    let envelopes: Vec<Envelope> = chunk
+                                        .into_iter()
+                                        .map(|(envelope, _)| envelope.clone())
+                                        .collect();
+                                    let outcomes = guard
+                                        .process_batch_set(&consumer, &envelopes, async |conn, fresh| {
+                                            if !claim_only {
+                                                $business_set(conn, fresh).await?;
+                                            }
+                                            Ok::<_, sqlx::Error>(vec![serde_json::Value::Null; fresh.len()])
+                                        })
+                                        .await?;
+                                    let mut applied = 0;
+                                    for outcome in outcomes {
+                                        applied += usize::from(!outcome?.is_duplicate());
+                                    }
+                                    applied
+                                }
+                                Mode::Batched => {
+                                    // Ordered by account: handlers take their row locks in
+                                    // input order, and two batches locking shared rows in
+                                    // opposite orders deadlock (PostgreSQL aborts one).
+                                    let mut chunk: Vec<&(Envelope, i64)> =
+                                        messages[start..end].iter().collect();
+                                    chunk.sort_by_key(|(_, account)| *account);
+                                    let envelopes: Vec<Envelope> = chunk
+                                        .into_iter()
+                                        .map(|(envelope, _)| envelope.clone())
+                                        .collect();
+                                    let outcomes = guard
+                                        .process_batch(
+                                            &consumer,
+                                            &envelopes,
+                                            async |conn, envelope| {
+                                                if !claim_only {
+                                                    let account = envelope.payload["account"]
+                                                        .as_i64()
+                                                        .unwrap_or_default();
+                                                    $business(conn, envelope, account).await?;
+                                                }
+                                                Ok::<_, sqlx::Error>(serde_json::Value::Null)
+                                            },
+                                        )
+                                        .await?;
+                                    let mut applied = 0;
+                                    for outcome in outcomes {
+                                        applied += usize::from(!outcome?.is_duplicate());
+                                    }
+                                    applied
                                 }
                             };
-                            Ok::<bool, Box<dyn std::error::Error + Send + Sync>>(applied)
+                            Ok::<(usize, usize), BoxError>((end - start, applied))
                         }
                     }
                 };
-                drive(warmup, args.concurrency, op.clone()).await?;
-                let (latencies, applied, elapsed) = drive(messages, args.concurrency, op).await?;
-                results.push((mode, latencies, applied, elapsed));
+                let units =
+                    |messages: &Arc<Vec<(Envelope, i64)>>| messages.len().div_ceil(unit_size);
+                let (warm, measured) = (warmup.clone(), messages.clone());
+                let warm_op = {
+                    let op = op.clone();
+                    move |unit| op(warm.clone(), unit)
+                };
+                drive(units(&warmup), args.concurrency, warm_op).await?;
+                let rss_after_warmup = rss_mb();
+                let measured_op = {
+                    let op = op.clone();
+                    move |unit| op(measured.clone(), unit)
+                };
+                let (latencies, applied, elapsed) =
+                    drive(units(&messages), args.concurrency, measured_op).await?;
+                let rss_end = rss_mb();
+                drop(op);
+                if let Some(steps) = steps.and_then(|steps| Arc::into_inner(steps)) {
+                    steps.stop().await;
+                }
+                results.push(ModeRun {
+                    mode,
+                    latencies,
+                    applied,
+                    elapsed,
+                    rss_after_warmup,
+                    rss_end,
+                });
             }
             Ok(results)
         }
     };
 }
 
-backend_runner!(run_postgres, PostgresStore, sqlx::Postgres);
-backend_runner!(run_sqlite, SqliteStore, sqlx::Sqlite);
+/// The business statements of a batch, set-based: one `UPDATE` and one `INSERT`.
+async fn business_set_pg(
+    conn: &mut sqlx::PgConnection,
+    envelopes: &[&Envelope],
+) -> Result<(), sqlx::Error> {
+    let accounts: Vec<i64> = envelopes.iter().map(|e| account_of(e)).collect();
+    let ids: Vec<&str> = envelopes.iter().map(|e| e.id.as_str()).collect();
+    let payloads: Vec<String> = envelopes.iter().map(|e| e.payload.to_string()).collect();
+    // Rows locked in id order first: the UPDATE's join locks them in plan order, and two
+    // batches locking shared rows in different orders deadlock.
+    sqlx::query("SELECT 1 FROM bench_accounts WHERE id = ANY($1) ORDER BY id FOR UPDATE")
+        .bind(&accounts)
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query(
+        "UPDATE bench_accounts a SET balance = balance + d.n \
+           FROM (SELECT id, count(*) AS n FROM unnest($1::int8[]) AS u(id) GROUP BY id) d \
+          WHERE a.id = d.id",
+    )
+    .bind(&accounts)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "INSERT INTO bench_outbox (message_id, payload) SELECT * FROM unnest($1::text[], $2::text[])",
+    )
+    .bind(&ids)
+    .bind(&payloads)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// On SQLite a statement is an in-process call: the same statements per message.
+async fn business_set_lite(
+    conn: &mut sqlx::SqliteConnection,
+    envelopes: &[&Envelope],
+) -> Result<(), sqlx::Error> {
+    for envelope in envelopes {
+        business_lite(conn, envelope, account_of(envelope)).await?;
+    }
+    Ok(())
+}
+
+/// The account a workload message deposits to (set by [`workload`]).
+fn account_of(envelope: &Envelope) -> i64 {
+    envelope.payload["account"].as_i64().unwrap_or_default()
+}
+
+backend_runner!(
+    run_postgres,
+    business_pg,
+    business_set_pg,
+    PgStep,
+    PostgresStore,
+    sqlx::Postgres
+);
+backend_runner!(
+    run_sqlite,
+    business_lite,
+    business_set_lite,
+    LiteStep,
+    SqliteStore,
+    sqlx::Sqlite
+);
 
 /// Runs the benchmark on a scratch schema (PostgreSQL) or a scratch file (SQLite) that is
 /// removed afterwards, so it never touches the data at `database_url`.
-pub(crate) async fn run(
-    args: BenchArgs,
-) -> Result<BenchReport, Box<dyn std::error::Error + Send + Sync>> {
+pub(crate) async fn run(args: BenchArgs) -> Result<BenchReport, BoxError> {
     if !(0.0..=1.0).contains(&args.duplicate_rate) {
         return Err(format!(
             "--duplicate-rate must be within 0..=1, got {}",
@@ -309,15 +575,33 @@ pub(crate) async fn run(
         .iter()
         .find(|n| Mode::ALL.iter().all(|m| m.name() != n.as_str()))
     {
-        return Err(
-            format!("unknown mode {unknown:?}: choose from raw_sql, guard, no_inbox").into(),
-        );
+        return Err(format!(
+            "unknown mode {unknown:?}: choose from raw_sql, guard, actor, batched, batched_set, no_inbox"
+        )
+        .into());
     }
     if args.messages == 0 || args.concurrency == 0 {
         return Err("--messages and --concurrency must be at least 1".into());
     }
+    if !(1..=MAX_BATCH).contains(&args.batch) {
+        return Err(format!("--batch must be within 1..={MAX_BATCH}, got {}", args.batch).into());
+    }
+    let backend = Backend::of(&args.database_url)?;
+    if (args.prefill > 0 || args.prune_rows > 0) && backend != Backend::Postgres {
+        return Err("--prefill and --prune-rows run on PostgreSQL only".into());
+    }
+    if args.prefill > 0
+        && !(args.modes.is_empty() || args.modes.iter().any(|m| m == Mode::Guard.name()))
+    {
+        return Err(
+            "--prefill compares with the guard mode on the empty inbox: include it in --modes"
+                .into(),
+        );
+    }
     let connections = u32::try_from(args.concurrency).unwrap_or(u32::MAX);
-    let results = match Backend::of(&args.database_url)? {
+    let mut scale = None;
+    let mut pruning = None;
+    let results = match backend {
         Backend::Postgres => {
             let schema = format!("sagabox_bench_{}", std::process::id());
             let admin = PgPoolOptions::new()
@@ -334,11 +618,26 @@ pub(crate) async fn run(
             let pool = PgPoolOptions::new()
                 .max_connections(connections)
                 .test_before_acquire(false)
-                .connect_with(options)
+                .connect_with(options.clone())
                 .await?;
             let outcome = async {
                 sqlx::raw_sql(PG_SETUP).execute(&pool).await?;
-                run_postgres(pool.clone(), PostgresStore::new(pool.clone()), &args).await
+                let guard =
+                    InboxGuard::new(PostgresStore::new(pool.clone()), InboxConfig::default())?;
+                guard.migrate().await?;
+                let results = run_postgres(pool.clone(), guard.clone(), &args).await?;
+                if args.prefill > 0 {
+                    let empty = results
+                        .iter()
+                        .find(|run| run.mode == Mode::Guard)
+                        .map(|run| run.latencies.len() as f64 / run.elapsed.as_secs_f64())
+                        .ok_or("no guard run to compare the prefilled inbox with")?;
+                    scale = Some(scale::prefill(&pool, &guard, &args, empty).await?);
+                }
+                if args.prune_rows > 0 {
+                    pruning = Some(scale::prune(&options, &guard, &args).await?);
+                }
+                Ok::<_, BoxError>(results)
             }
             .await;
             pool.close().await;
@@ -357,7 +656,9 @@ pub(crate) async fn run(
             let pool = store.pool().clone();
             let outcome = async {
                 sqlx::raw_sql(SQLITE_SETUP).execute(&pool).await?;
-                run_sqlite(pool.clone(), store, &args).await
+                let guard = InboxGuard::new(store, InboxConfig::default())?;
+                guard.migrate().await?;
+                run_sqlite(pool.clone(), guard, &args).await
             }
             .await;
             pool.close().await;
@@ -373,20 +674,22 @@ pub(crate) async fn run(
         |latencies: &[Duration], elapsed: Duration| latencies.len() as f64 / elapsed.as_secs_f64();
     let raw_rate = results
         .iter()
-        .find(|(mode, ..)| *mode == Mode::RawSql)
-        .map(|(_, latencies, _, elapsed)| rate(latencies, *elapsed));
+        .find(|run| run.mode == Mode::RawSql)
+        .map(|run| rate(&run.latencies, run.elapsed));
     let mut modes = Vec::new();
-    for (mode, mut latencies, applied, elapsed) in results {
-        latencies.sort_unstable();
-        let rate = rate(&latencies, elapsed);
+    for mut run in results {
+        run.latencies.sort_unstable();
+        let rate = rate(&run.latencies, run.elapsed);
         modes.push(ModeReport {
-            mode: mode.name(),
-            messages: latencies.len(),
-            applied,
+            mode: run.mode.name(),
+            messages: run.latencies.len(),
+            applied: run.applied,
             msgs_per_sec: rate,
-            p50_us: percentile(&latencies, 0.50),
-            p99_us: percentile(&latencies, 0.99),
+            p50_us: percentile(&run.latencies, 0.50),
+            p99_us: percentile(&run.latencies, 0.99),
             ratio_to_raw: raw_rate.map_or(1.0, |raw| rate / raw),
+            rss_mb_after_warmup: run.rss_after_warmup,
+            rss_mb_end: run.rss_end,
         });
     }
     Ok(BenchReport {
@@ -395,7 +698,10 @@ pub(crate) async fn run(
         duplicate_rate: args.duplicate_rate,
         claim_only: args.claim_only,
         timeless: args.timeless,
+        batch: args.batch,
         modes,
+        scale,
+        pruning,
     })
 }
 
@@ -417,15 +723,32 @@ impl std::fmt::Display for BenchReport {
         }
         writeln!(
             f,
-            "{:<10} {:>9} {:>9} {:>11} {:>9} {:>9} {:>8}",
-            "mode", "messages", "applied", "msgs/s", "p50 µs", "p99 µs", "× raw"
+            "{:<10} {:>9} {:>9} {:>11} {:>9} {:>9} {:>8} {:>12}",
+            "mode", "messages", "applied", "msgs/s", "p50 µs", "p99 µs", "× raw", "RSS MiB"
         )?;
         for m in &self.modes {
             writeln!(
                 f,
-                "{:<10} {:>9} {:>9} {:>11.0} {:>9} {:>9} {:>8.2}",
-                m.mode, m.messages, m.applied, m.msgs_per_sec, m.p50_us, m.p99_us, m.ratio_to_raw
+                "{:<10} {:>9} {:>9} {:>11.0} {:>9} {:>9} {:>8.2} {:>5.0} → {:<4.0}",
+                m.mode,
+                m.messages,
+                m.applied,
+                m.msgs_per_sec,
+                m.p50_us,
+                m.p99_us,
+                m.ratio_to_raw,
+                m.rss_mb_after_warmup,
+                m.rss_mb_end
             )?;
+        }
+        if self.modes.iter().any(|m| m.mode == "batched") {
+            writeln!(f, "batched: {} messages per transaction", self.batch)?;
+        }
+        if let Some(scale) = &self.scale {
+            write!(f, "{scale}")?;
+        }
+        if let Some(pruning) = &self.pruning {
+            write!(f, "{pruning}")?;
         }
         Ok(())
     }

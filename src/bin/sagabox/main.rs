@@ -208,12 +208,23 @@ enum Command {
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
-        /// Only these modes (comma-separated: raw_sql, guard, no_inbox); all by default.
+        /// Only these modes (comma-separated: raw_sql, guard, actor, batched, no_inbox); all by default.
         #[arg(long, value_delimiter = ',')]
         modes: Vec<String>,
         /// Messages with UUIDv4 ids and no publish time: the guard's slow path.
         #[arg(long)]
         timeless: bool,
+        /// Messages per transaction in the `batched` mode (1..=10000).
+        #[arg(long, default_value_t = 100)]
+        batch: usize,
+        /// PostgreSQL: afterwards, fill the inbox with this many rows over 12 months and
+        /// run the guard mode again (claim cost as the table grows).
+        #[arg(long, default_value_t = 0)]
+        prefill: u64,
+        /// PostgreSQL: afterwards, retire months of this many rows by DELETE and by
+        /// dropping the partition, idle and under a claim load.
+        #[arg(long, default_value_t = 0)]
+        prune_rows: u64,
     },
 }
 
@@ -498,6 +509,9 @@ async fn main() -> ExitCode {
             json,
             modes,
             timeless,
+            batch,
+            prefill,
+            prune_rows,
         } => {
             let args = bench::BenchArgs {
                 database_url,
@@ -508,6 +522,9 @@ async fn main() -> ExitCode {
                 seed,
                 modes,
                 timeless,
+                batch,
+                prefill,
+                prune_rows,
             };
             report("bench", bench::run(args).await, json)
         }

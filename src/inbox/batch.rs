@@ -1,0 +1,295 @@
+//! [`InboxGuard::process_batch`]: a batch of envelopes through the guard in one
+//! transaction — one claim statement, one record statement, one commit.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use serde_json::Value;
+use sqlx::Database;
+
+use crate::envelope::{ConsumerType, Envelope};
+use crate::inbox::{GuardError, InboxError, InboxGuard, Outcome};
+use crate::metrics;
+use crate::store::{ClaimKey, InboxStore};
+
+/// The most envelopes [`InboxGuard::process_batch`] takes at once. A batch holds the locks
+/// of all its keys until it commits; bigger batches only make racing deliveries wait
+/// longer.
+pub const MAX_BATCH: usize = 10_000;
+
+/// What a batch entry turned into before the claim.
+enum Slot<'a> {
+    /// Refused before the claim (expired, in the future, pruned month).
+    Refused(InboxError),
+    /// Claimed as `keys[index]`.
+    Claimed(usize),
+    /// The same message id as an earlier entry of the batch (`keys[index]`).
+    Repeat(usize),
+    /// Placeholder while the claim key is borrowed.
+    Pending(ClaimKey<'a>),
+}
+
+impl<S: InboxStore> InboxGuard<S> {
+    /// Runs `handler` for each envelope of a batch at most once per `consumer_type`, in
+    /// one transaction — what a broker consumer with a prefetch above one, or a
+    /// partition poll, delivers. Returns one result per envelope, in input order.
+    ///
+    /// The contract of [`process`](Self::process), per envelope: an envelope already
+    /// recorded gets [`Outcome::Duplicate`] with its first result and its handler does not
+    /// run; an envelope that repeats an earlier one of the same batch is a duplicate of it
+    /// (with its result); the others run `handler` in order, with the batch's
+    /// transaction, and are recorded with their results in one statement before the one
+    /// commit. A racing delivery of any key waits for the batch to end, and a batch waits
+    /// for racing deliveries of its keys; overlapping batches do not deadlock.
+    ///
+    /// An envelope the inbox refuses (expired, published in the future, its month
+    /// pruned) gets its [`InboxError`] in its slot and takes no part; the rest go on.
+    ///
+    /// A handler error rolls back the **whole batch** — no inbox row, no side effect of
+    /// any envelope — and is returned as [`GuardError::Handler`]; so is any database
+    /// failure, as [`GuardError::Inbox`]. To isolate a poison message, deliver the
+    /// batch's envelopes one by one with [`process`](Self::process). Acknowledge the
+    /// batch to its source only after `Ok`.
+    ///
+    /// `handler` is cloned for each envelope (capture references or `Arc`s). Handlers
+    /// take their row locks in input order and hold them until the batch commits:
+    /// batches that run concurrently and touch shared rows should present them in one
+    /// order, or the database aborts one of them as deadlocked (a retryable
+    /// [`InboxError::Database`]).
+    ///
+    /// Refuses a batch of more than [`MAX_BATCH`] envelopes with
+    /// [`InboxError::BatchTooLarge`]. An empty batch does nothing.
+    pub async fn process_batch<F, E>(
+        &self,
+        consumer_type: &ConsumerType,
+        envelopes: &[Envelope],
+        handler: F,
+    ) -> Result<Vec<Result<Outcome, InboxError>>, GuardError<E>>
+    where
+        F: AsyncFnOnce(&mut <S::Db as Database>::Connection, &Envelope) -> Result<Value, E> + Clone,
+    {
+        self.process_batch_set(consumer_type, envelopes, async move |conn, fresh| {
+            let mut results = Vec::with_capacity(fresh.len());
+            for envelope in fresh {
+                results.push(handler.clone()(&mut *conn, envelope).await?);
+            }
+            Ok(results)
+        })
+        .await
+    }
+
+    /// [`process_batch`](Self::process_batch) with a set-based handler: `handler` gets
+    /// the batch's fresh envelopes (neither recorded before nor repeated in the batch)
+    /// all at once, in input order, and returns one result per envelope, in the same
+    /// order — so it can apply them with a few set-based statements (`UPDATE … FROM
+    /// unnest(…)`) instead of a few per envelope. Everything else is as in
+    /// `process_batch`; a handler that returns a different number of results than it got
+    /// envelopes fails the batch with [`InboxError::BatchResultCount`] (rolled back).
+    pub async fn process_batch_set<F, E>(
+        &self,
+        consumer_type: &ConsumerType,
+        envelopes: &[Envelope],
+        handler: F,
+    ) -> Result<Vec<Result<Outcome, InboxError>>, GuardError<E>>
+    where
+        F: AsyncFnOnce(&mut <S::Db as Database>::Connection, &[&Envelope]) -> Result<Vec<Value>, E>,
+    {
+        let result = self
+            .process_batch_inner(consumer_type, envelopes, handler)
+            .await;
+        match &result {
+            Ok(outcomes) => {
+                for outcome in outcomes {
+                    let label = outcome.as_ref().map_or("failed", Outcome::label);
+                    metrics::inbox_message(consumer_type, label);
+                }
+            }
+            Err(_) => {
+                for _ in envelopes {
+                    metrics::inbox_message(consumer_type, "failed");
+                }
+            }
+        }
+        result
+    }
+
+    async fn process_batch_inner<F, E>(
+        &self,
+        consumer_type: &ConsumerType,
+        envelopes: &[Envelope],
+        handler: F,
+    ) -> Result<Vec<Result<Outcome, InboxError>>, GuardError<E>>
+    where
+        F: AsyncFnOnce(&mut <S::Db as Database>::Connection, &[&Envelope]) -> Result<Vec<Value>, E>,
+    {
+        if envelopes.len() > MAX_BATCH {
+            return Err(InboxError::BatchTooLarge {
+                len: envelopes.len(),
+                max: MAX_BATCH,
+            }
+            .into());
+        }
+        if envelopes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let now = self.now();
+
+        // Place every envelope; refusals stay in their slot.
+        let mut slots: Vec<Slot<'_>> = envelopes
+            .iter()
+            .map(
+                |envelope| match self.placement(consumer_type, envelope, now) {
+                    Ok(key) => Slot::Pending(key),
+                    Err(refused) => Slot::Refused(refused),
+                },
+            )
+            .collect();
+        for slot in &mut slots {
+            let Slot::Pending(key) = slot else {
+                continue;
+            };
+            match self.ensure_partition(key.bucket).await {
+                Ok(()) => {}
+                Err(refused @ InboxError::PartitionPruned(_)) => *slot = Slot::Refused(refused),
+                Err(error) => return Err(error.into()),
+            }
+        }
+        // One key per message id: a repeat within the batch is a duplicate of its first.
+        let mut keys: Vec<ClaimKey<'_>> = Vec::new();
+        let mut envelope_of: Vec<&Envelope> = Vec::new();
+        let mut index_of: HashMap<&str, usize> = HashMap::new();
+        for (slot, envelope) in slots.iter_mut().zip(envelopes) {
+            if let Slot::Pending(key) = *slot {
+                *slot = match index_of.get(key.message_id.as_str()) {
+                    Some(&index) => Slot::Repeat(index),
+                    None => {
+                        index_of.insert(key.message_id.as_str(), keys.len());
+                        keys.push(key);
+                        envelope_of.push(envelope);
+                        Slot::Claimed(keys.len() - 1)
+                    }
+                };
+            }
+        }
+
+        let claim_started = Instant::now();
+        let (mut tx, firsts) = match self.store().begin_batch_claim(&keys).await {
+            Err(error) if S::is_missing_partition(&error) => {
+                // A month dropped by a pruner since we cached it: ask again (a pruned
+                // month is refused, never recreated), then claim once more.
+                for key in &keys {
+                    self.forget_partition(key.bucket);
+                    self.ensure_partition(key.bucket).await?;
+                }
+                self.store().begin_batch_claim(&keys).await?
+            }
+            claimed => claimed?,
+        };
+        metrics::claim_duration(claim_started.elapsed());
+
+        // Per claimed key: its first delivery, or None while it waits for its result.
+        let mut claimed: Vec<Option<Outcome>> = Vec::with_capacity(keys.len());
+        let mut fresh_keys = Vec::new();
+        let mut fresh_envelopes = Vec::new();
+        let mut counted_duplicates = false;
+        for (i, first) in firsts.into_iter().enumerate() {
+            if let Some(first) = &first {
+                // Counted on the first delivery's row, as a single duplicate is, for
+                // `sagabox inspect`; in this transaction, which holds the key.
+                self.store()
+                    .record_duplicate(&mut tx, &keys[i], first, now)
+                    .await?;
+                counted_duplicates = true;
+            }
+            claimed.push(first.map(|first| Outcome::Duplicate {
+                first_processed_at: first.processed_at,
+                result: first.result,
+            }));
+            if claimed[i].is_none() {
+                fresh_keys.push(keys[i]);
+                fresh_envelopes.push(envelope_of[i]);
+            }
+        }
+        let results = if fresh_envelopes.is_empty() {
+            Vec::new()
+        } else {
+            match handler(&mut *tx, &fresh_envelopes).await {
+                Ok(results) if results.len() == fresh_envelopes.len() => results,
+                Ok(results) => {
+                    tx.rollback().await.ok();
+                    return Err(InboxError::BatchResultCount {
+                        expected: fresh_envelopes.len(),
+                        returned: results.len(),
+                    }
+                    .into());
+                }
+                Err(error) => {
+                    if let Err(rollback) = tx.rollback().await {
+                        // The connection is discarded by the pool; the database rolls back.
+                        tracing::warn!(%rollback, "rollback after handler error failed");
+                    }
+                    return Err(GuardError::Handler(error));
+                }
+            }
+        };
+
+        if !fresh_keys.is_empty() {
+            let fresh_results: Vec<&Value> = results.iter().collect();
+            let recorded = match self
+                .store()
+                .record_batch(&mut tx, &fresh_keys, now, &fresh_results)
+                .await
+            {
+                Err(error) if S::is_missing_partition(&error) => {
+                    // A month dropped under us: nothing of ours commits.
+                    tx.rollback().await.ok();
+                    for key in &fresh_keys {
+                        self.forget_partition(key.bucket);
+                    }
+                    return Err(InboxError::Database(error).into());
+                }
+                recorded => recorded?,
+            };
+            if recorded != fresh_keys.len() as u64 {
+                // Cannot happen while every claim path takes the key's lock before it
+                // records; if it does, applying nothing is the safe answer.
+                tx.rollback().await.ok();
+                return Err(InboxError::BatchRaced {
+                    consumer_type: consumer_type.clone(),
+                }
+                .into());
+            }
+            tx.commit().await?;
+        } else if counted_duplicates {
+            // Nothing applied; only the duplicate counts to keep.
+            tx.commit().await?;
+        } else {
+            tx.rollback().await?;
+        }
+
+        let mut results = results.into_iter();
+        let claimed: Vec<Outcome> = claimed
+            .into_iter()
+            .map(|first| match first {
+                Some(duplicate) => duplicate,
+                // One result per fresh key, in order: checked above.
+                None => Outcome::Applied(results.next().unwrap_or_default()),
+            })
+            .collect();
+        Ok(slots
+            .into_iter()
+            .map(|slot| match slot {
+                Slot::Refused(refused) => Err(refused),
+                Slot::Claimed(index) => Ok(claimed[index].clone()),
+                Slot::Repeat(index) => Ok(match &claimed[index] {
+                    Outcome::Applied(result) => Outcome::Duplicate {
+                        first_processed_at: now,
+                        result: result.clone(),
+                    },
+                    duplicate => duplicate.clone(),
+                }),
+                Slot::Pending(_) => unreachable!("every pending slot was claimed or repeated"),
+            })
+            .collect())
+    }
+}
