@@ -159,6 +159,12 @@ macro_rules! batch_suite {
                 }
                 assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 9);
                 assert_eq!(fx.inbox_rows().await, 9);
+                // Duplicates of recorded messages are counted on their first rows, as
+                // single duplicates are (m1 in the first batch, all three in the second,
+                // per round); `sagabox inspect` reads them there.
+                let report = sagabox::inspect::inspect(&fx.url, &Default::default()).await.unwrap();
+                let counted: i64 = report.duplicates.iter().map(|d| d.in_inbox).sum();
+                assert_eq!(counted, 4 * 3);
             }
 
             #[tokio::test]
