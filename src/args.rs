@@ -266,7 +266,7 @@ mod tests {
         assert_eq!(rate_below_one("0.999"), Ok(0.999));
         // Found by the fuzz target: a tiny negative value was quoted 300 digits long.
         let tiny = rate("-2.4734269389403685e-301").unwrap_err().to_string();
-        assert!(tiny.contains("-2.4734269389403685e-301"), "{tiny}");
+        assert!(tiny.contains("e-301") && tiny.len() < 100, "{tiny}");
     }
 
     #[test]
