@@ -7,11 +7,14 @@
 //!   aggregate, marking rows sent only after the confirm.
 //! - [`serve_step`] and [`AmqpDispatch`]: saga steps and their orchestrator in separate
 //!   processes, talking through queues.
+//! - [`Batching`] and [`serve_step_batched`]: the deliveries a consumer holds at once,
+//!   claimed as one batch ([`InboxGuard::process_batch`](crate::InboxGuard::process_batch)).
 //! - [`codec`]: the envelope on the wire; [`AmqpConfig`]: queues, prefetch, backoff.
 //!
 //! Queues are `<prefix>.<consumer_type>` (durable) with `<prefix>.<consumer_type>.dead`
 //! for dead letters; the prefix defaults to `sagabox`.
 
+mod batching;
 mod broker;
 pub mod codec;
 mod config;
@@ -19,13 +22,14 @@ mod consumer;
 mod dispatch;
 mod relay;
 
+pub use batching::Batching;
 pub use broker::{Publisher, Routing, connect, declare};
 pub use config::{AmqpConfig, AmqpError};
 pub use consumer::{
     ATTEMPTS_HEADER, Consumer, ConsumerHandle, ConsumerOptions, ConsumerStats, DEAD_DETAIL_HEADER,
     DEAD_REASON_HEADER, DeliveryHandler, Disposition, dead_reasons,
 };
-pub use dispatch::{AmqpDispatch, REPLY_KIND, reply_envelope, serve_step};
+pub use dispatch::{AmqpDispatch, REPLY_KIND, reply_envelope, serve_step, serve_step_batched};
 pub use relay::{
     OutboxSource, Relay, RelayArguments, RelayConfig, RelayError, RelayMessage, RelayState,
 };

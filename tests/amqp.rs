@@ -735,3 +735,96 @@ async fn stopping_a_consumer_lets_the_messages_in_flight_finish_and_be_acked() {
     assert_eq!(pg.scalar("SELECT COUNT(*) FROM effects").await, 5);
     assert_eq!(rabbit.ready(&rabbit.queue("payment")).await, 0);
 }
+
+#[tokio::test]
+async fn a_batching_consumer_claims_what_it_holds_in_batches_and_applies_each_message_once() {
+    let (pg, rabbit) = (Pg::new().await, Rabbit::new(&["payment"]).await);
+    pg.exec(EFFECTS).await;
+    let guard = InboxGuard::new(pg.store(8).await, InboxConfig::default()).unwrap();
+    rabbit.declare("payment").await;
+    // 300 distinct messages, 100 of them published twice.
+    let ids: Vec<MessageId> = (0..300).map(|_| MessageId::new_v7()).collect();
+    for (n, id) in ids.iter().chain(ids.iter().take(100)).enumerate() {
+        let (body, properties) = message(id.as_str(), "charge", json!({"n": n}));
+        rabbit
+            .publish_raw(&rabbit.queue("payment"), &body, properties)
+            .await;
+    }
+    let batches = Arc::new(AtomicU32::new(0));
+    let duplicates = Arc::new(AtomicU32::new(0));
+    let payment = ConsumerType::new("payment").unwrap();
+    let handler = {
+        let (batches, duplicates, payment) = (
+            Arc::clone(&batches),
+            Arc::clone(&duplicates),
+            payment.clone(),
+        );
+        sagabox::amqp::Batching::new(
+            50,
+            Duration::from_millis(5),
+            move |envelopes: Vec<Envelope>| {
+                let (guard, batches, duplicates, payment) = (
+                    guard.clone(),
+                    Arc::clone(&batches),
+                    Arc::clone(&duplicates),
+                    payment.clone(),
+                );
+                async move {
+                    batches.fetch_add(1, SeqCst);
+                    let processed = guard
+                        .process_batch(&payment, &envelopes, async |conn, envelope| {
+                            sqlx::query("INSERT INTO effects (message_id, body) VALUES ($1, $2)")
+                                .bind(envelope.id.as_str())
+                                .bind(&envelope.payload)
+                                .execute(&mut *conn)
+                                .await?;
+                            Ok::<_, sqlx::Error>(json!({}))
+                        })
+                        .await;
+                    match processed {
+                        Ok(outcomes) => outcomes
+                            .into_iter()
+                            .map(|outcome| match outcome {
+                                Ok(outcome) => {
+                                    if outcome.is_duplicate() {
+                                        duplicates.fetch_add(1, SeqCst);
+                                    }
+                                    Disposition::Done { reply: None }
+                                }
+                                Err(refused) => Disposition::Reject(refused.to_string()),
+                            })
+                            .collect(),
+                        Err(error) => envelopes
+                            .iter()
+                            .map(|_| Disposition::Retry(error.to_string()))
+                            .collect(),
+                    }
+                }
+            },
+        )
+    };
+    let mut config = rabbit.config.clone();
+    config.prefetch = 100;
+    let consumer = Consumer::spawn(config, ConsumerOptions::new(payment, ["charge"]), handler)
+        .await
+        .unwrap();
+    let stats = Arc::clone(consumer.stats());
+    wait_for("every delivery acked", async || {
+        stats.acked.load(SeqCst) == 400
+    })
+    .await;
+    consumer.stop().await;
+    assert_eq!(pg.scalar("SELECT COUNT(*) FROM effects").await, 300);
+    assert_eq!(
+        pg.scalar("SELECT COUNT(DISTINCT message_id) FROM effects")
+            .await,
+        300
+    );
+    assert_eq!(duplicates.load(SeqCst), 100);
+    let batches = batches.load(SeqCst);
+    assert!(
+        batches < 400 / 2,
+        "deliveries were claimed in batches ({batches} batches for 400)"
+    );
+    assert_eq!(rabbit.ready(&rabbit.queue("payment")).await, 0);
+}

@@ -245,7 +245,9 @@ async fn consumers_ride_through_cuts_delays_and_refusals_without_a_double_effect
     );
     eprintln!("{context}");
     assert!(
-        cuts > 5 && failures.load(Ordering::SeqCst) > 0,
+        // How many faults land before the last message is acknowledged depends on the
+        // machine's speed; at least one must have, and been ridden through.
+        cuts >= 1 && failures.load(Ordering::SeqCst) > 0,
         "the faults happened: {context}"
     );
     let effects = fx.scalar("SELECT COUNT(*) FROM effects").await;

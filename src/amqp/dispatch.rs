@@ -20,6 +20,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
+use super::batching::Batching;
 use super::broker::{self, Publisher, Routing};
 use super::config::{AmqpConfig, AmqpError};
 use super::consumer::{Consumer, ConsumerHandle, ConsumerOptions, Disposition};
@@ -81,6 +82,45 @@ pub async fn serve_step(
         }
     })
     .await
+}
+
+/// [`serve_step`] with batched claims: the deliveries the consumer holds at once (set
+/// its prefetch to at least `max`) are gathered into batches of up to `max`, closed
+/// after `linger`, and run with [`StepPool::deliver_batch`] — one transaction and one
+/// commit per batch. Each command still gets its own reply and ack; a batch that fails
+/// as a whole is run one by one, so a bad command fails alone.
+pub async fn serve_step_batched(
+    config: AmqpConfig,
+    pool: Arc<StepPool>,
+    kinds: impl IntoIterator<Item = String>,
+    timeout: Duration,
+    max: usize,
+    linger: Duration,
+) -> Result<ConsumerHandle, AmqpError> {
+    let options = ConsumerOptions::new(pool.consumer_type().clone(), kinds);
+    let handler = Batching::new(max, linger, move |commands: Vec<Envelope>| {
+        let pool = Arc::clone(&pool);
+        async move {
+            match pool.deliver_batch(commands.clone(), timeout).await {
+                Ok(answers) => commands
+                    .iter()
+                    .zip(answers)
+                    .map(|(command, answer)| match answer {
+                        Ok(reply) => Disposition::Done {
+                            reply: Some(reply_envelope(command, &reply)),
+                        },
+                        Err(StepFailure::Rejected(reason)) => Disposition::Reject(reason),
+                        Err(failure) => Disposition::Retry(failure.to_string()),
+                    })
+                    .collect(),
+                Err(failure) => commands
+                    .iter()
+                    .map(|_| Disposition::Retry(failure.to_string()))
+                    .collect(),
+            }
+        }
+    });
+    Consumer::spawn(config, options, handler).await
 }
 
 type Waiters = Arc<Mutex<HashMap<String, Vec<oneshot::Sender<StepReply>>>>>;

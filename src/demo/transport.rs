@@ -22,7 +22,7 @@ use crate::step::{StepFailure, StepHandler, StepPool, StepPoolConfig, StepReply}
 use crate::store::InboxStore;
 
 #[cfg(feature = "rabbitmq")]
-use crate::amqp::{AmqpConfig, AmqpDispatch, ConsumerHandle, serve_step};
+use crate::amqp::{AmqpConfig, AmqpDispatch, ConsumerHandle, serve_step, serve_step_batched};
 
 /// The consumer type the orchestrator's replies are deduplicated as.
 pub const ORCHESTRATOR: &str = "orchestrator";
@@ -88,7 +88,8 @@ pub struct Participants {
 
 #[cfg(feature = "rabbitmq")]
 impl Participants {
-    /// Starts a step pool and a consumer of its queue for every role.
+    /// Starts a step pool and a consumer of its queue for every role; with `batch` > 1,
+    /// the commands a consumer holds at once are claimed in batches of up to `batch`.
     pub async fn start<S>(
         guard: &InboxGuard<S>,
         definition: &SagaDefinition,
@@ -96,6 +97,7 @@ impl Participants {
         handler: &Checkout,
         pool_config: &StepPoolConfig,
         amqp: &AmqpConfig,
+        batch: usize,
     ) -> Result<Self, DemoError>
     where
         S: InboxStore,
@@ -108,13 +110,20 @@ impl Participants {
         for pool in spawn_pools(guard, roles, handler, pool_config).await? {
             let role = pool.consumer_type().clone();
             let pool = Arc::new(pool);
-            let consumer = serve_step(
-                amqp.clone(),
-                Arc::clone(&pool),
-                kinds_of(definition, &role),
-                timeout_of(definition, &role),
-            )
-            .await?;
+            let (kinds, timeout) = (kinds_of(definition, &role), timeout_of(definition, &role));
+            let consumer = if batch > 1 {
+                serve_step_batched(
+                    amqp.clone(),
+                    Arc::clone(&pool),
+                    kinds,
+                    timeout,
+                    batch,
+                    Duration::from_millis(2),
+                )
+                .await?
+            } else {
+                serve_step(amqp.clone(), Arc::clone(&pool), kinds, timeout).await?
+            };
             participants.consumers.push(consumer);
             participants.pools.push(pool);
         }
@@ -186,8 +195,16 @@ impl DemoDispatch {
                     None
                 } else {
                     Some(
-                        Participants::start(guard, definition, &roles, handler, pool_config, &amqp)
-                            .await?,
+                        Participants::start(
+                            guard,
+                            definition,
+                            &roles,
+                            handler,
+                            pool_config,
+                            &amqp,
+                            1,
+                        )
+                        .await?,
                     )
                 };
                 let dispatch = AmqpDispatch::connect(
@@ -264,6 +281,8 @@ pub struct ServeConfig {
     pub seed: u64,
     /// How often the orchestrator looks for unfinished sagas.
     pub resume_interval: Duration,
+    /// Commands claimed per batch (1: one at a time). Raise the prefetch with it.
+    pub batch: usize,
 }
 
 /// Serves `config.roles` (and an orchestrator, if asked) on the database at `url` until
@@ -347,6 +366,7 @@ where
         &handler,
         &pool_config,
         &config.amqp,
+        config.batch,
     )
     .await?;
     let orchestrator = if config.orchestrator {

@@ -120,6 +120,10 @@ enum Command {
         /// Workers per step pool.
         #[arg(long, default_value_t = 4)]
         workers: usize,
+        /// Commands claimed per batch, in one transaction (1: one at a time; at most
+        /// the prefetch).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+        batch: u16,
         /// Share of handler runs failing after their write, before commit (0..1).
         #[arg(long, default_value_t = 0.0, value_parser = args::rate_below_one)]
         fail_rate: f64,
@@ -276,6 +280,7 @@ async fn serve(
     queue_prefix: String,
     prefetch: u16,
     workers: usize,
+    batch: u16,
     fail_rate: f64,
     seed: u64,
 ) -> Result<(), String> {
@@ -304,6 +309,11 @@ async fn serve(
         .map(sagabox::ConsumerType::new)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| e.to_string())?;
+    if batch > prefetch {
+        return Err(format!(
+            "--batch {batch} is above --prefetch {prefetch}: a consumer holds at most the prefetch at once"
+        ));
+    }
     let mut amqp = sagabox::amqp::AmqpConfig::new(amqp_url).with_queue_prefix(queue_prefix);
     amqp.prefetch = prefetch;
     let config = sagabox::demo::ServeConfig {
@@ -314,6 +324,7 @@ async fn serve(
         fail_rate,
         seed,
         resume_interval: Duration::from_secs(1),
+        batch: usize::from(batch),
     };
     sagabox::demo::serve(database_url, config, interrupted())
         .await
@@ -405,6 +416,7 @@ async fn main() -> ExitCode {
             queue_prefix,
             prefetch,
             workers,
+            batch,
             fail_rate,
             seed,
             metrics_addr,
@@ -422,6 +434,7 @@ async fn main() -> ExitCode {
                 queue_prefix,
                 prefetch,
                 workers,
+                batch,
                 fail_rate,
                 seed,
             )
