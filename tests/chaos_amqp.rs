@@ -122,26 +122,30 @@ async fn a_random_participant_killed_twenty_times_every_invariant_holds() {
     let mut journal = format!("RabbitMQ crash loop seed {seed} (replay with CHAOS_SEED={seed})\n");
     let fx = common::Pg::new().await;
     let rabbit = Rabbit::new(&ROLES).await;
-    let mut participants: Vec<Child> = ROLES
-        .iter()
-        .map(|role| participant(role, &fx, &rabbit, seed))
-        .collect();
+    let mut participants = common::children::Children::new(
+        ROLES
+            .iter()
+            .map(|role| participant(role, &fx, &rabbit, seed))
+            .collect(),
+    );
     for role in ROLES {
         wait_consuming(&rabbit, role, &journal).await;
     }
-    let mut demo_child = orchestrator(
-        &fx,
-        &rabbit,
-        &["--orders", &ORDERS.to_string(), "--seed", &seed.to_string()],
-    )
-    .stdout(Stdio::null())
-    .stderr(Stdio::null())
-    .spawn()
-    .unwrap();
+    let mut orchestrator_process = common::children::Children::new(vec![
+        orchestrator(
+            &fx,
+            &rabbit,
+            &["--orders", &ORDERS.to_string(), "--seed", &seed.to_string()],
+        )
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap(),
+    ]);
     let deadline = Instant::now() + Duration::from_secs(60);
     while count(&fx, "SELECT COUNT(*) FROM demo_run").await == 0 {
         assert!(
-            demo_child.try_wait().unwrap().is_none(),
+            orchestrator_process[0].try_wait().unwrap().is_none(),
             "{journal}the first run ended before it recorded itself"
         );
         assert!(
@@ -156,16 +160,16 @@ async fn a_random_participant_killed_twenty_times_every_invariant_holds() {
         let victim = rng.random_range(0..=ROLES.len());
         let (finished, placed) = (count(&fx, FINISHED).await, count(&fx, PLACED).await);
         if victim == ROLES.len() {
-            let running = demo_child.try_wait().unwrap().is_none();
-            demo_child.kill().unwrap(); // SIGKILL
-            demo_child.wait().unwrap();
+            let running = orchestrator_process[0].try_wait().unwrap().is_none();
+            orchestrator_process[0].kill().unwrap(); // SIGKILL
+            orchestrator_process[0].wait().unwrap();
             writeln!(
                 journal,
                 "kill {kill:2}: orchestrator{}, {placed} placed, {finished} finished",
                 if running { "" } else { " (had already exited)" }
             )
             .unwrap();
-            demo_child = orchestrator(
+            orchestrator_process[0] = orchestrator(
                 &fx,
                 &rabbit,
                 &["--resume", "--seed", &(seed ^ kill as u64).to_string()],
@@ -195,7 +199,7 @@ async fn a_random_participant_killed_twenty_times_every_invariant_holds() {
     // resumes it.
     let finished_at = Instant::now() + Duration::from_secs(600);
     loop {
-        if let Some(status) = demo_child.try_wait().unwrap() {
+        if let Some(status) = orchestrator_process[0].try_wait().unwrap() {
             assert!(
                 status.success(),
                 "{journal}the last orchestrator failed: {status}"
@@ -214,7 +218,7 @@ async fn a_random_participant_killed_twenty_times_every_invariant_holds() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    for child in &mut participants {
+    for child in participants.iter_mut() {
         let sent = Command::new("kill")
             .args(["-TERM", &child.id().to_string()])
             .status()

@@ -82,10 +82,12 @@ fn terminate(child: &mut Child) {
 async fn participants_in_separate_processes_keep_every_invariant() {
     let fx = common::Pg::new().await;
     let rabbit = Rabbit::new(&ROLES).await;
-    let mut participants: Vec<Child> = ROLES
-        .iter()
-        .map(|role| participant(role, &fx, &rabbit))
-        .collect();
+    let mut participants = common::children::Children::new(
+        ROLES
+            .iter()
+            .map(|role| participant(role, &fx, &rabbit))
+            .collect(),
+    );
     let config = DemoConfig {
         fail_rate: 0.0, // failures are injected in the participants (--fail-rate 0.1)
         transport: Some(DemoTransport {
@@ -99,7 +101,7 @@ async fn participants_in_separate_processes_keep_every_invariant() {
     let deadline = Instant::now() + Duration::from_secs(60);
     for role in ROLES {
         while rabbit.consumers(&rabbit.queue(role)).await == 0 {
-            check_alive(&mut participants);
+            check_alive(&mut participants[..]);
             assert!(
                 Instant::now() < deadline,
                 "the {role} participant never started consuming"
@@ -116,7 +118,7 @@ async fn participants_in_separate_processes_keep_every_invariant() {
     // flight is redelivered and absorbed by the inboxes.
     let mut dropped = 0;
     while !demo.is_finished() {
-        check_alive(&mut participants);
+        check_alive(&mut participants[..]);
         if dropped == 0 {
             let done = fx
                 .scalar("SELECT COUNT(*) FROM saga_instances WHERE status IN ('completed', 'compensated')")
@@ -132,10 +134,10 @@ async fn participants_in_separate_processes_keep_every_invariant() {
         "the broker closed the participants' and the orchestrator's connections ({dropped})"
     );
     let summary = demo.await.unwrap().unwrap();
-    for child in &mut participants {
+    for child in participants.iter_mut() {
         terminate(child);
     }
-    for child in participants {
+    for child in std::mem::take(&mut participants.0) {
         let output = child.wait_with_output().unwrap();
         assert!(
             output.status.success(),
