@@ -828,3 +828,95 @@ async fn a_batching_consumer_claims_what_it_holds_in_batches_and_applies_each_me
     );
     assert_eq!(rabbit.ready(&rabbit.queue("payment")).await, 0);
 }
+
+/// The relay with its database behind a proxy that cuts connections (mid-pass too:
+/// after publishing, before the mark commits) and refuses new ones for a while: every
+/// row is published, and sent once the database is back; a row published twice is a
+/// repeat the consumer's inbox absorbs (same message id).
+#[tokio::test]
+async fn the_relay_rides_through_database_cuts_and_refusals() {
+    use common::proxy::FaultProxy;
+    use rand::{RngExt, SeedableRng};
+
+    let (pg, rabbit) = (Pg::new().await, Rabbit::new(&["email"]).await);
+    let proxy = Arc::new(FaultProxy::in_front_of(&pg.url).await);
+    let through: sqlx::postgres::PgConnectOptions = proxy.url(&pg.url).parse().unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(5))
+        .test_before_acquire(false)
+        .connect_with(through)
+        .await
+        .unwrap();
+    let (relay, relay_handle) = Actor::spawn(
+        None,
+        Relay::new(),
+        RelayArguments {
+            source: pool,
+            amqp: rabbit.config.clone(),
+            config: relay_config(),
+        },
+    )
+    .await
+    .unwrap();
+    let seed: u64 = rand::random();
+    let chaos = {
+        let proxy = Arc::clone(&proxy);
+        tokio::spawn(async move {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            for round in 0u32.. {
+                tokio::time::sleep(Duration::from_millis(rng.random_range(50..250))).await;
+                if round % 7 == 6 {
+                    proxy.refuse();
+                    proxy.cut();
+                    tokio::time::sleep(Duration::from_millis(rng.random_range(100..400))).await;
+                    proxy.accept();
+                } else {
+                    proxy.cut();
+                }
+            }
+        })
+    };
+    for _ in 0..8 {
+        write_outbox(&pg, 10, 5).await; // through the direct pool: 50 rows a wave
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_for(
+        "every row sent while the database connection is cut again and again",
+        async || {
+            pg.scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")
+                .await
+                == 0
+        },
+    )
+    .await;
+    chaos.abort();
+    relay.stop(None);
+    relay_handle.await.unwrap();
+    assert!(
+        proxy.cuts() >= 3,
+        "seed {seed}: the faults happened ({} cuts)",
+        proxy.cuts()
+    );
+    let ids: Vec<String> = rabbit
+        .drain(&rabbit.queue("email"))
+        .await
+        .iter()
+        .map(|message| {
+            message
+                .delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    let distinct: std::collections::HashSet<&String> = ids.iter().collect();
+    assert_eq!(distinct.len(), 400, "seed {seed}: every row published");
+    eprintln!(
+        "seed {seed}: {} cuts, {} publishes for 400 rows",
+        proxy.cuts(),
+        ids.len()
+    );
+}

@@ -234,7 +234,10 @@ where
                     self.failures = self.failures.saturating_add(1);
                     self.retry_at = Instant::now() + wait;
                     tracing::warn!(%error, retry_in = ?wait, "outbox relay pass failed");
-                    if let Some(link) = self.link.take() {
+                    // A database error leaves the broker connection as good as it was.
+                    if matches!(error, RelayError::Broker(_))
+                        && let Some(link) = self.link.take()
+                    {
                         let _ = link
                             .connection
                             .close(200, "relay reconnecting".into())
