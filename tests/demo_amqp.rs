@@ -80,6 +80,11 @@ fn terminate(child: &mut Child) {
 /// the participants stop gracefully on SIGTERM, and no command is left in a queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn participants_in_separate_processes_keep_every_invariant() {
+    // The library's warnings (reconnections, abandoned deliveries) show with a failure.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter("sagabox=info")
+        .with_test_writer()
+        .try_init();
     let fx = common::Pg::new().await;
     let rabbit = Rabbit::new(&ROLES).await;
     let mut participants = common::children::Children::new(

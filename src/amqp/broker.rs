@@ -15,13 +15,25 @@ use crate::envelope::{ConsumerType, Envelope};
 pub async fn connect(config: &AmqpConfig, role: &str) -> Result<Connection, AmqpError> {
     let properties = ConnectionProperties::default()
         .with_connection_name(format!("{}/{role}", config.queue_prefix).into());
-    Connection::connect(&config.url, properties)
-        .await
-        .map_err(|source| AmqpError::Connect {
+    match tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        Connection::connect(&config.url, properties),
+    )
+    .await
+    {
+        Ok(connected) => connected.map_err(|source| AmqpError::Connect {
             url: redact(&config.url),
             source,
-        })
+        }),
+        Err(_) => Err(AmqpError::ConnectTimeout {
+            url: redact(&config.url),
+            after: CONNECT_TIMEOUT,
+        }),
+    }
 }
+
+/// How long opening a connection (TCP and the AMQP handshake) may take.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Declares `consumer_type`'s queue and its dead-letter queue, both durable. The main
 /// queue dead-letters into the dead queue, so a message rejected without requeue by any

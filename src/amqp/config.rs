@@ -109,6 +109,14 @@ pub enum AmqpError {
         /// The cause.
         source: lapin::Error,
     },
+    /// The broker did not complete the connection in time.
+    #[error("RabbitMQ at {url} did not accept the connection within {after:?}")]
+    ConnectTimeout {
+        /// The URL, password redacted.
+        url: String,
+        /// The time allowed.
+        after: Duration,
+    },
     /// A broker operation failed (the connection or channel is likely gone).
     #[error("RabbitMQ {operation} failed: {source}")]
     Broker {

@@ -40,6 +40,9 @@ use crate::envelope::{ConsumerType, Envelope};
 pub const DEAD_REASON_HEADER: &str = "x-sagabox-dead-reason";
 /// The header with a dead-lettered message's explanation.
 pub const DEAD_DETAIL_HEADER: &str = "x-sagabox-dead-detail";
+/// How long deliveries in flight get to end after their connection was lost.
+const IN_FLIGHT_GRACE: Duration = Duration::from_secs(5);
+
 /// The header counting a message's retryable failures.
 pub const ATTEMPTS_HEADER: &str = "x-sagabox-attempts";
 
@@ -250,8 +253,18 @@ impl<H: DeliveryHandler> Session<H> {
             .map_err(AmqpError::broker("start consuming"))?;
         tracing::info!(%queue, prefetch = self.config.prefetch, "consuming");
         let mut in_flight = JoinSet::new();
+        // A subscription whose connection died without its stream ending would sit
+        // idle forever: the connection's state is checked every second too.
+        let mut health = tokio::time::interval(Duration::from_secs(1));
         let ended = loop {
             tokio::select! {
+                _ = health.tick() => {
+                    if !connection.status().connected() || !channel.status().connected() {
+                        break Err(AmqpError::Config(format!(
+                            "the connection or channel consuming {queue} is no longer open"
+                        )));
+                    }
+                }
                 changed = stopped.changed() => {
                     if changed.is_err() || *stopped.borrow() {
                         let _ = channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
@@ -278,9 +291,23 @@ impl<H: DeliveryHandler> Session<H> {
                 Some(_) = in_flight.join_next(), if !in_flight.is_empty() => {}
             }
         };
-        // Whatever happened, the deliveries in flight finish (their acks fail if the
-        // connection is gone, and the broker redelivers them).
-        while in_flight.join_next().await.is_some() {}
+        if ended.is_ok() {
+            // Stopping: the deliveries in flight finish and are acked.
+            while in_flight.join_next().await.is_some() {}
+        } else {
+            // The connection is gone: the deliveries in flight cannot be acked on it (the
+            // broker redelivers them, the inbox absorbs those applied). Give their work a
+            // moment to end, then abandon it rather than wait on a dead connection before
+            // reconnecting.
+            let drained = tokio::time::timeout(IN_FLIGHT_GRACE, async {
+                while in_flight.join_next().await.is_some() {}
+            })
+            .await;
+            if drained.is_err() {
+                tracing::warn!(%queue, left = in_flight.len(), "abandoning deliveries still in flight on a lost connection");
+                in_flight.shutdown().await;
+            }
+        }
         if ended.is_ok() {
             let _ = connection.close(200, "stopping".into()).await;
         }
