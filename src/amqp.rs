@@ -27,7 +27,7 @@ pub use broker::{Publisher, Routing, connect, declare};
 pub use config::{AmqpConfig, AmqpError};
 pub use consumer::{
     ATTEMPTS_HEADER, Consumer, ConsumerHandle, ConsumerOptions, ConsumerStats, DEAD_DETAIL_HEADER,
-    DEAD_REASON_HEADER, DeliveryHandler, Disposition, dead_reasons,
+    DEAD_REASON_HEADER, DeliveryHandler, Disposition,
 };
 pub use dispatch::{AmqpDispatch, REPLY_KIND, reply_envelope, serve_step, serve_step_batched};
 pub use relay::{

@@ -11,7 +11,7 @@
 mod common;
 
 use std::fmt::Write as _;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
@@ -20,42 +20,7 @@ use rand::{RngExt, SeedableRng};
 const ORDERS: i64 = 5000;
 const KILLS: usize = 20;
 
-fn demo(url: &str, extra: &[&str]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_sagabox"));
-    command
-        .args([
-            "demo",
-            "--database-url",
-            url,
-            "--concurrency",
-            "32",
-            "--duplicate-rate",
-            "0.5",
-            "--lost-reply-rate",
-            "0.1",
-            "--fail-rate",
-            "0.1",
-            "--decline-rate",
-            "0.05",
-            "--json",
-        ])
-        .args(extra)
-        .env_remove("DATABASE_URL")
-        .env("RUST_LOG", "error");
-    command
-}
-
-async fn count(fx: &common::Pg, sql: &'static str) -> i64 {
-    // The table may not exist yet in the first moments of the first run.
-    sqlx::query_scalar::<_, i64>(sql)
-        .fetch_one(&fx.pool)
-        .await
-        .unwrap_or(0)
-}
-
-const FINISHED: &str =
-    "SELECT COUNT(*) FROM saga_instances WHERE status IN ('completed', 'compensated')";
-const PLACED: &str = "SELECT COUNT(*) FROM demo_orders";
+use common::chaos::{FINISHED, PLACED, count, demo};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_twenty_times_and_resumed_every_invariant_holds() {

@@ -11,7 +11,7 @@
 mod common;
 
 use std::fmt::Write as _;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::rabbit::Rabbit;
@@ -21,70 +21,9 @@ use rand::{RngExt, SeedableRng};
 const ORDERS: i64 = 3000;
 const KILLS: usize = 20;
 
-fn demo(url: &str, extra: &[&str]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_sagabox"));
-    command
-        .args([
-            "demo",
-            "--database-url",
-            url,
-            "--concurrency",
-            "32",
-            "--duplicate-rate",
-            "0.5",
-            "--lost-reply-rate",
-            "0.1",
-            "--fail-rate",
-            "0.1",
-            "--decline-rate",
-            "0.05",
-            "--json",
-        ])
-        .args(extra)
-        .env_remove("DATABASE_URL")
-        .env("RUST_LOG", "error");
-    command
-}
-
-async fn count(fx: &common::Pg, sql: &'static str) -> i64 {
-    // The table may not exist yet in the first moments of the first run.
-    sqlx::query_scalar::<_, i64>(sql)
-        .fetch_one(&fx.pool)
-        .await
-        .unwrap_or(0)
-}
-
-const FINISHED: &str =
-    "SELECT COUNT(*) FROM saga_instances WHERE status IN ('completed', 'compensated')";
-const PLACED: &str = "SELECT COUNT(*) FROM demo_orders";
+use common::chaos::{FINISHED, PLACED, count, demo};
 
 const ROLES: [&str; 3] = ["payment", "inventory", "email"];
-
-fn participant(role: &str, fx: &common::Pg, rabbit: &Rabbit, seed: u64) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_sagabox"))
-        .args([
-            "serve",
-            "--role",
-            role,
-            "--database-url",
-            &fx.url,
-            "--amqp-url",
-            &rabbit.config.url,
-            "--queue-prefix",
-            &rabbit.config.queue_prefix,
-            "--fail-rate",
-            "0.1",
-            "--seed",
-            &seed.to_string(),
-        ])
-        .env_remove("DATABASE_URL")
-        .env_remove("AMQP_URL")
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap()
-}
 
 fn orchestrator(fx: &common::Pg, rabbit: &Rabbit, extra: &[&str]) -> Command {
     let mut command = demo(&fx.url, extra);
@@ -125,7 +64,7 @@ async fn a_random_participant_killed_twenty_times_every_invariant_holds() {
     let mut participants = common::children::Children::new(
         ROLES
             .iter()
-            .map(|role| participant(role, &fx, &rabbit, seed))
+            .map(|role| rabbit.serve(role, &fx.url, seed))
             .collect(),
     );
     for role in ROLES {
@@ -192,7 +131,7 @@ async fn a_random_participant_killed_twenty_times_every_invariant_holds() {
                 "kill {kill:2}: {role}, {placed} placed, {finished} finished"
             )
             .unwrap();
-            *child = participant(role, &fx, &rabbit, seed ^ kill as u64);
+            *child = rabbit.serve(role, &fx.url, seed ^ kill as u64);
         }
     }
     // The last orchestrator finishes the run; if it was killed just now, the new one

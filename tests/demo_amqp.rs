@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use sagabox::demo::{DemoConfig, run};
@@ -28,31 +28,6 @@ use common::rabbit::Rabbit;
 use sagabox::demo::DemoTransport;
 
 const ROLES: [&str; 3] = ["payment", "inventory", "email"];
-
-fn participant(role: &str, fx: &common::Pg, rabbit: &Rabbit) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_sagabox"))
-        .args([
-            "serve",
-            "--role",
-            role,
-            "--database-url",
-            &fx.url,
-            "--amqp-url",
-            &rabbit.config.url,
-            "--queue-prefix",
-            &rabbit.config.queue_prefix,
-            "--fail-rate",
-            "0.1",
-            "--seed",
-            "5",
-        ])
-        .env_remove("DATABASE_URL")
-        .env_remove("AMQP_URL")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-}
 
 fn check_alive(participants: &mut [Child]) {
     for child in participants.iter_mut() {
@@ -90,7 +65,7 @@ async fn participants_in_separate_processes_keep_every_invariant() {
     let mut participants = common::children::Children::new(
         ROLES
             .iter()
-            .map(|role| participant(role, &fx, &rabbit))
+            .map(|role| rabbit.serve(role, &fx.url, 5))
             .collect(),
     );
     let config = DemoConfig {

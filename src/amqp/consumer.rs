@@ -32,7 +32,7 @@ use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
 use super::broker::{self, Publisher, Routing};
-use super::codec::{self, Malformed};
+use super::codec;
 use super::config::{AmqpConfig, AmqpError};
 use crate::envelope::{ConsumerType, Envelope};
 
@@ -465,16 +465,4 @@ impl<H: DeliveryHandler> Work<H> {
 
 fn backoff(attempt: u32) -> Duration {
     Duration::from_millis(50u64.saturating_mul(1 << attempt.min(6)))
-}
-
-/// The reason codes a dead-lettered message can carry.
-pub fn dead_reasons() -> [&'static str; 6] {
-    [
-        Malformed::MissingMessageId.reason(),
-        "invalid_message_id",
-        "not_an_envelope",
-        "unknown_kind",
-        "rejected",
-        "retries_exhausted",
-    ]
 }

@@ -180,7 +180,7 @@ impl AmqpDispatch {
             link: tokio::sync::Mutex::new(None),
             replies: Mutex::new(Some(replies)),
         };
-        dispatch.publisher().await?;
+        dispatch.publisher_for(None).await?;
         Ok(dispatch)
     }
 
@@ -199,11 +199,8 @@ impl AmqpDispatch {
         }
     }
 
-    /// A publisher on a live connection, with `queue` declared when given.
-    async fn publisher(&self) -> Result<Publisher, AmqpError> {
-        self.publisher_for(None).await
-    }
-
+    /// A publisher on a live connection, with `consumer_type`'s queues declared when
+    /// given.
     async fn publisher_for(
         &self,
         consumer_type: Option<&ConsumerType>,

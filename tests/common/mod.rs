@@ -6,6 +6,7 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod chaos;
 pub mod children;
 pub mod invariants;
 pub mod proxy;

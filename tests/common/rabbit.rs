@@ -169,6 +169,35 @@ impl Rabbit {
         closed
     }
 
+    /// Starts `sagabox serve --role role` on the database at `database_url` and this
+    /// fixture's queues, failing 10 % of handler runs (seeded). Its stderr is piped, for a
+    /// test to show when the process dies.
+    pub fn serve(&self, role: &str, database_url: &str, seed: u64) -> std::process::Child {
+        std::process::Command::new(env!("CARGO_BIN_EXE_sagabox"))
+            .args([
+                "serve",
+                "--role",
+                role,
+                "--database-url",
+                database_url,
+                "--amqp-url",
+                &self.config.url,
+                "--queue-prefix",
+                &self.config.queue_prefix,
+                "--fail-rate",
+                "0.1",
+                "--seed",
+                &seed.to_string(),
+            ])
+            .env_remove("DATABASE_URL")
+            .env_remove("AMQP_URL")
+            .env("RUST_LOG", "error")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start sagabox serve")
+    }
+
     /// Messages ready in `queue`.
     pub async fn ready(&self, queue: &str) -> u32 {
         let declared = self
