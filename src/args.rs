@@ -61,6 +61,12 @@ pub enum ArgError {
         /// What is accepted.
         expected: &'static str,
     },
+    /// A clock speed that is not a number.
+    #[error("{0:?} is not a number: give a clock speed such as 43200 (a month a minute)")]
+    ClockSpeedNotANumber(String),
+    /// A clock speed out of range.
+    #[error(transparent)]
+    ClockSpeed(#[from] crate::clock::InvalidClockSpeed),
     /// Retention settings the inbox refuses.
     #[error("{reason}{hint}")]
     Retention {
@@ -170,6 +176,16 @@ pub fn rate_below_one(text: &str) -> Result<f64, ArgError> {
             expected: "give a value from 0 up to, but not including, 1 (1 would fail every attempt forever)",
         });
     }
+    Ok(value)
+}
+
+/// Parses a clock speed for `demo --clock-speed`: a number within `1..=1e9`.
+pub fn clock_speed(text: &str) -> Result<f64, ArgError> {
+    let value: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| ArgError::ClockSpeedNotANumber(text.chars().take(64).collect()))?;
+    crate::clock::ScaledClock::new(chrono::Utc::now(), value)?;
     Ok(value)
 }
 

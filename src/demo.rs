@@ -17,9 +17,9 @@ pub use transport::{Participants, ServeConfig, serve};
 use std::fmt;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use chrono::Utc;
+use chrono::{DateTime, Utc};
 use indicatif::{ProgressBar, ProgressStyle};
 use ractor::Actor;
 use rand::rngs::StdRng;
@@ -28,11 +28,14 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
+use crate::clock::{Clock, ScaledClock};
 use crate::database::{Backend, redact};
 use crate::inbox::{InboxConfig, InboxError, InboxGuard};
+use crate::month::Month;
 use crate::orchestrator::{
     DriveStats, Faults, Orchestrator, OrchestratorArguments, OrchestratorMessage,
 };
+use crate::pruner::{Maintenance, PrunePass, Pruner, PrunerArguments};
 use crate::saga::{DefinitionError, SagaDefinition, SagaInstance, SagaStore};
 use crate::step::{StepError, StepHandler, StepPoolConfig};
 
@@ -76,6 +79,13 @@ pub struct DemoConfig {
     /// Send commands and replies through RabbitMQ instead of in process. Defaults to
     /// `None` (in process).
     pub transport: Option<DemoTransport>,
+    /// How many times faster than real time the run's clock goes (a soak test mode: 43,200
+    /// makes a month pass in a minute, so the pruner creates and drops inbox partitions
+    /// while orders flow). Defaults to 1. Use a scratch database: a month dropped under
+    /// the fast clock stays pruned for later runs.
+    pub clock_speed: f64,
+    /// Where the run's clock starts. Defaults to `None`: now.
+    pub clock_start: Option<DateTime<Utc>>,
 }
 
 /// The demo over RabbitMQ.
@@ -120,6 +130,8 @@ impl Default for DemoConfig {
             resume: false,
             progress: false,
             transport: None,
+            clock_speed: 1.0,
+            clock_start: None,
         }
     }
 }
@@ -177,6 +189,28 @@ impl DemoConfig {
         if self.concurrency == 0 {
             return Err(DemoError::Config("--concurrency must be at least 1".into()));
         }
+        self.clock()?;
+        if self.clock_speed != 1.0 {
+            // The fast clock restarts from the real time in every process.
+            if self.resume {
+                return Err(DemoError::Config(
+                    "--clock-speed cannot be combined with --resume: the resumed run's clock \
+                     would start behind the times its messages were filed at"
+                        .into(),
+                ));
+            }
+            if self
+                .transport
+                .as_ref()
+                .is_some_and(|t| t.external_participants)
+            {
+                return Err(DemoError::Config(
+                    "--clock-speed cannot be combined with --external-participants: the \
+                     participants' processes would not share the fast clock"
+                        .into(),
+                ));
+            }
+        }
         #[cfg(feature = "rabbitmq")]
         if let Some(transport) = &self.transport {
             transport.amqp().validate()?;
@@ -188,6 +222,38 @@ impl DemoConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The run's clock.
+    fn clock(&self) -> Result<ScaledClock, DemoError> {
+        ScaledClock::new(self.clock_start.unwrap_or_else(Utc::now), self.clock_speed)
+            .map_err(|error| DemoError::Config(format!("--clock-speed: {error}")))
+    }
+
+    /// Time between the pruner's passes: an hour of the run's clock, at least 250 ms.
+    fn prune_interval(&self) -> Duration {
+        Duration::from_secs_f64((3600.0 / self.clock_speed).max(0.25))
+    }
+}
+
+/// The demo's pruner: a pass of the guard's, keeping the months it dropped for the
+/// summary.
+#[derive(Debug)]
+struct TalliedMaintenance<M> {
+    inner: M,
+    dropped: Arc<Mutex<Vec<Month>>>,
+}
+
+impl<M: Maintenance> Maintenance for TalliedMaintenance<M> {
+    async fn run_pass(&self, dry_run: bool) -> Result<PrunePass, InboxError> {
+        let pass = self.inner.run_pass(dry_run).await?;
+        if !dry_run {
+            self.dropped
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .extend(pass.dropped.iter().copied());
+        }
+        Ok(pass)
     }
 }
 
@@ -228,6 +294,14 @@ pub struct DemoSummary {
     pub elapsed_ms: u64,
     /// Sagas finished per second in this run.
     pub sagas_per_sec: f64,
+    /// How many times faster than real time the run's clock went (1: real time).
+    pub clock_speed: f64,
+    /// The run's clock when it ended.
+    pub clock_end: DateTime<Utc>,
+    /// Inbox months the pruner dropped during the run (`YYYY-MM`).
+    pub months_pruned: Vec<String>,
+    /// Inbox months with a partition at the end (`YYYY-MM`).
+    pub months_kept: Vec<String>,
 }
 
 impl DemoSummary {
@@ -249,7 +323,7 @@ impl fmt::Display for DemoSummary {
             "checkout demo on {} via {} (inbox {inbox})",
             self.database, self.transport
         )?;
-        let rows: [(&str, String); 15] = [
+        let rows: [(&str, String); 17] = [
             ("orders", self.orders.to_string()),
             ("completed", self.completed.to_string()),
             ("compensated", self.compensated.to_string()),
@@ -264,6 +338,26 @@ impl fmt::Display for DemoSummary {
             ("unbalanced refunds", self.unbalanced_refunds.to_string()),
             ("elapsed", format!("{} ms", self.elapsed_ms)),
             ("sagas/s", format!("{:.0}", self.sagas_per_sec)),
+            (
+                "clock",
+                if self.clock_speed == 1.0 {
+                    "real time".to_owned()
+                } else {
+                    format!(
+                        "{}x real time, ended at {}",
+                        self.clock_speed,
+                        self.clock_end.format("%Y-%m-%d %H:%M")
+                    )
+                },
+            ),
+            (
+                "inbox months",
+                format!(
+                    "kept [{}], pruned during the run [{}]",
+                    self.months_kept.join(", "),
+                    self.months_pruned.join(", ")
+                ),
+            ),
             (
                 "verdict",
                 if self.damage() == 0 {
@@ -607,8 +701,27 @@ macro_rules! backend_run {
             config: &DemoConfig,
         ) -> Result<DemoSummary, DemoError> {
             let definition = Arc::new(SagaDefinition::from_toml_str(CHECKOUT_TOML)?);
-            let guard = InboxGuard::new(store.clone(), InboxConfig::default()).map_err(InboxError::from)?;
+            let clock = config.clock()?;
+            let guard = InboxGuard::new(store.clone(), InboxConfig::default())
+                .map_err(InboxError::from)?
+                .with_clock(clock);
             guard.migrate().await?;
+            // The pruner runs as it would beside a deployment; under a fast clock it is
+            // what keeps creating the months ahead and dropping the expired ones.
+            let months_pruned = Arc::new(Mutex::new(Vec::new()));
+            let (pruner, pruner_handle) = Actor::spawn(
+                None,
+                Pruner::new(),
+                PrunerArguments {
+                    maintenance: TalliedMaintenance {
+                        inner: guard.clone(),
+                        dropped: Arc::clone(&months_pruned),
+                    },
+                    interval: config.prune_interval(),
+                },
+            )
+            .await
+            .map_err(|e| DemoError::Actor(e.to_string()))?;
             let pool = store.pool().clone();
             sqlx::raw_sql($tables).execute(&pool).await?;
             // The run's size is stored, so that `resume` can place what a killed run
@@ -710,7 +823,8 @@ macro_rules! backend_run {
                     .await
                     .map_err(|e| DemoError::Actor(e.to_string()))?;
                 let (order_id, data) = order(&mut rng, config.decline_rate);
-                let saga = SagaInstance::new(Uuid::now_v7().to_string(), definition.name(), data.clone(), Utc::now());
+                // Saga times come from the run's clock: command ids are derived from them.
+                let saga = SagaInstance::new(Uuid::now_v7().to_string(), definition.name(), data.clone(), clock.now());
                 // The order and its saga commit together: no order without its saga.
                 let mut tx = pool.begin().await?;
                 sqlx::query("INSERT INTO demo_orders (id, saga_id, sku, quantity, amount_cents) VALUES ($1, $2, $3, $4, $5)")
@@ -747,6 +861,12 @@ macro_rules! backend_run {
             if let Ok(dispatch) = Arc::try_unwrap(dispatch) {
                 dispatch.stop().await;
             }
+            pruner.stop(None);
+            let _ = pruner_handle.await;
+            let months_pruned = std::mem::take(
+                &mut *months_pruned.lock().unwrap_or_else(PoisonError::into_inner),
+            );
+            let months_kept = guard.partitions().await?;
 
             let mut figures = std::collections::HashMap::new();
             for (name, sql) in SUMMARY_SQL {
@@ -775,6 +895,10 @@ macro_rules! backend_run {
                 unbalanced_refunds: figure("unbalanced_refunds"),
                 elapsed_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
                 sagas_per_sec: finished as f64 / elapsed.as_secs_f64().max(1e-9),
+                clock_speed: config.clock_speed,
+                clock_end: clock.now(),
+                months_pruned: months_pruned.iter().map(Month::to_string).collect(),
+                months_kept: months_kept.iter().map(Month::to_string).collect(),
             })
         }
     };

@@ -120,7 +120,7 @@ pub mod step;
 pub mod store;
 pub mod telemetry;
 
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use clock::{Clock, InvalidClockSpeed, ManualClock, ScaledClock, SystemClock};
 pub use envelope::{ConsumerType, Envelope, KeyError, MAX_KEY_BYTES, MessageId};
 pub use inbox::{ConfigError, GuardError, InboxConfig, InboxError, InboxGuard, MAX_BATCH, Outcome};
 pub use month::Month;
@@ -128,4 +128,4 @@ pub use month::Month;
 pub use store::PostgresStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
-pub use store::{BatchClaim, FirstDelivery, InboxStore, PartitionCreation};
+pub use store::{BatchClaim, Claimed, FirstDelivery, InboxStore, PartitionCreation};

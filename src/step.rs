@@ -67,6 +67,9 @@ pub enum StepOutcome {
 impl StepOutcome {
     pub(crate) fn to_record(&self) -> Value {
         match self {
+            // Nothing to record is recorded as nothing (`from_record` reads it back as
+            // `Done(null)`): the inbox then writes no result after the handler.
+            StepOutcome::Done(Value::Null) => Value::Null,
             StepOutcome::Done(value) => json!({ "done": value }),
             StepOutcome::Refused(reason) => json!({ "refused": reason }),
         }

@@ -63,6 +63,19 @@ pub struct FirstDelivery {
     pub result: Value,
 }
 
+/// What a single claim found.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Claimed {
+    /// No delivery of the key is recorded: the handler runs.
+    Fresh {
+        /// The claim already wrote the key's row, with a null result, in its own
+        /// statement (saving the guard an `INSERT` after the handler).
+        row_written: bool,
+    },
+    /// The key's first delivery is recorded: the handler must not run.
+    Duplicate(FirstDelivery),
+}
+
 /// A batch claim: the guard's open transaction and, per key, its first delivery if it
 /// was already recorded.
 pub type BatchClaim<Db> = (Transaction<'static, Db>, Vec<Option<FirstDelivery>>);
@@ -76,14 +89,19 @@ pub trait InboxStore: Debug + Send + Sync + 'static {
     type Db: sqlx::Database;
 
     /// Begins the guard's transaction and claims `key` in it: until the transaction
-    /// ends no other transaction can claim the key (a racing claim waits). Returns the
-    /// first delivery when the key was already recorded.
+    /// ends no other transaction can claim the key (a racing claim waits). Returns what
+    /// the key's first delivery left, or that this delivery is the first.
+    ///
+    /// With `write_row_at`, a store may write the key's row already (processed at that
+    /// time, with a null result) when it can do so in the claim's own statement; it says
+    /// so with [`Claimed::Fresh`]`{ row_written: true }`, and the guard then only fills
+    /// in a non-null result ([`record_result`](Self::record_result)) instead of
+    /// inserting the row after the handler.
     fn begin_claim(
         &self,
         key: &ClaimKey<'_>,
-    ) -> impl Future<
-        Output = Result<(Transaction<'static, Self::Db>, Option<FirstDelivery>), sqlx::Error>,
-    > + Send;
+        write_row_at: Option<DateTime<Utc>>,
+    ) -> impl Future<Output = Result<(Transaction<'static, Self::Db>, Claimed), sqlx::Error>> + Send;
 
     /// Begins a transaction with no claim (for [`InboxGuard::process_without_inbox`](crate::InboxGuard::process_without_inbox)).
     fn begin_plain(
@@ -99,6 +117,15 @@ pub trait InboxStore: Debug + Send + Sync + 'static {
         processed_at: DateTime<Utc>,
         result: &Value,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Sets the handler's result on the row the claim wrote
+    /// ([`Claimed::Fresh`]`{ row_written: true }`), inside the claim's transaction.
+    fn record_result(
+        &self,
+        tx: &mut Transaction<'static, Self::Db>,
+        key: &ClaimKey<'_>,
+        result: &Value,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
     /// Counts one more duplicate on the row `first` was read from (the key's first
     /// delivery), with `at` as its latest duplicate's time, inside the claim's

@@ -159,6 +159,45 @@ fn bench_refuses_bad_arguments() {
     assert!(String::from_utf8_lossy(&output.stderr).contains("run on PostgreSQL only"));
 }
 
+/// `demo --clock-speed`: out-of-range speeds and a fast clock with `--resume` are refused
+/// with the reason, before anything touches the database.
+#[test]
+fn demo_refuses_a_bad_clock_speed() {
+    for (speed, expected) in [
+        ("0.5", "clock speed must be a number from 1 to 1e9"),
+        ("fast", "\"fast\" is not a number"),
+        ("inf", "clock speed must be a number from 1 to 1e9"),
+    ] {
+        let output = sagabox(&[
+            "demo",
+            "--database-url",
+            "sqlite:x.db",
+            "--clock-speed",
+            speed,
+        ]);
+        assert!(!output.status.success(), "{speed}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(expected), "{speed}: {stderr}");
+    }
+    let file = std::env::temp_dir().join(format!("sagabox-clock-{}.db", std::process::id()));
+    let url = format!("sqlite:{}", file.display());
+    let output = sagabox(&[
+        "demo",
+        "--database-url",
+        &url,
+        "--clock-speed",
+        "43200",
+        "--resume",
+    ]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--clock-speed cannot be combined with --resume"),
+        "{stderr}"
+    );
+    assert!(!file.exists(), "refused before opening the database");
+}
+
 #[tokio::test]
 async fn prune_dry_run_changes_nothing_and_a_pass_creates_ahead() {
     let db = common::Pg::new().await;

@@ -65,6 +65,50 @@ macro_rules! demo_suite {
                 assert_eq!(doubled, summary.double_charges);
             }
 
+            /// The soak's test mode: the run's clock goes a day a second, starting just
+            /// before an earlier month (holding a delivery) expires. The demo's pruner drops
+            /// that month while orders flow, keeps the live ones and the months ahead, and
+            /// no invariant breaks.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_fast_clock_prunes_the_expired_month_while_orders_flow() {
+                use chrono::{TimeZone, Utc};
+                use sagabox::{ConsumerType, Envelope, InboxConfig, InboxGuard, ManualClock, MessageId};
+
+                let fx = <$fixture>::new().await;
+                let january = Utc.with_ymd_and_hms(2027, 1, 15, 0, 0, 0).unwrap();
+                let guard = InboxGuard::new(fx.store(2).await, InboxConfig::default())
+                    .unwrap()
+                    .with_clock(ManualClock::new(january));
+                guard.migrate().await.unwrap();
+                let envelope =
+                    Envelope::new(MessageId::derive_v7(january, "old"), "charge", serde_json::json!({})).unwrap();
+                guard
+                    .process(&ConsumerType::new("payment").unwrap(), &envelope, async |_, _| {
+                        Ok::<_, std::convert::Infallible>(serde_json::Value::Null)
+                    })
+                    .await
+                    .unwrap();
+
+                // January's rows all expire (30-day TTL) on 2027-03-03 00:00.
+                let start = Utc.with_ymd_and_hms(2027, 3, 2, 12, 0, 0).unwrap();
+                let config = DemoConfig {
+                    // February would expire 29 s into the run: far beyond its length.
+                    clock_speed: 86_400.0,
+                    clock_start: Some(start),
+                    ..faulty(800)
+                };
+                let summary = run(&fx.url, &config).await.unwrap();
+                assert_eq!(summary.months_pruned, ["2027-01"], "{summary:?}");
+                // (June too, if the run outlasted March on its clock.)
+                assert_eq!(summary.months_kept[..4], ["2027-02", "2027-03", "2027-04", "2027-05"], "{summary:?}");
+                assert!(summary.clock_end > start + chrono::TimeDelta::hours(12), "{summary:?}");
+                assert_eq!(summary.unfinished, 0, "{summary:?}");
+                assert_eq!(summary.damage(), 0, "{summary:?}");
+                assert_invariants(&fx).await;
+                // The demo's own deliveries were filed under the fast clock, in March.
+                assert!(fx.scalar("SELECT COUNT(*) FROM sagabox_inbox_2027_03").await > 800);
+            }
+
             /// The built binary, killed with SIGKILL once part of its sagas are done, then
             /// `--resume`: every invariant holds.
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

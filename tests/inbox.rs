@@ -83,6 +83,13 @@ const EFFECTS_DDL: &str = "CREATE TABLE effects (consumer_type TEXT NOT NULL, me
 
 /// The whole suite, instantiated once per backend: `$fixture` is `common::Pg` or
 /// `common::Lite`, `$db` the matching sqlx database type.
+/// Whether a test handler records its result or none.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Recording {
+    Result,
+    Nothing,
+}
+
 macro_rules! inbox_suite {
     ($backend:ident, $fixture:ty, $db:ty) => {
         mod $backend {
@@ -139,10 +146,66 @@ macro_rules! inbox_suite {
                 envelope: &Envelope,
                 note: &str,
             ) -> Outcome {
+                deliver_with(guard, consumer_type, envelope, note, Recording::Result).await
+            }
+
+            /// `deliver`, with a handler that records its result or none (null).
+            async fn deliver_with(
+                guard: &InboxGuard<impl sagabox::InboxStore<Db = $db>>,
+                consumer_type: &ConsumerType,
+                envelope: &Envelope,
+                note: &str,
+                recording: Recording,
+            ) -> Outcome {
                 guard
-                    .process(consumer_type, envelope, async |conn, env| apply(conn, consumer_type, env, note).await)
+                    .process(consumer_type, envelope, async |conn, env| {
+                        let result = apply(conn, consumer_type, env, note).await?;
+                        Ok::<_, sqlx::Error>(match recording {
+                            Recording::Result => result,
+                            Recording::Nothing => serde_json::Value::Null,
+                        })
+                    })
                     .await
                     .expect("process")
+            }
+
+            /// A handler that returns nothing lets the claim write the row up front; one
+            /// that returns a result has the row inserted after it. The guard learns which
+            /// from the last result, so switching between the two must not matter.
+            #[tokio::test]
+            async fn handlers_with_and_without_results_alternate_and_duplicates_get_their_own() {
+                let fx = fixture().await;
+                let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
+                let guard = guard_for(&fx, &clock, 2, Timing::UuidV7).await;
+                let payment = consumer("payment");
+                let pattern = [
+                    Recording::Nothing, Recording::Nothing, Recording::Result, Recording::Nothing,
+                    Recording::Result, Recording::Result, Recording::Nothing,
+                ];
+                let messages: Vec<Envelope> = (0..pattern.len())
+                    .map(|n| envelope(&format!("switch-{n}"), Timing::UuidV7))
+                    .collect();
+                let mut firsts = Vec::new();
+                for (message, recording) in messages.iter().zip(pattern) {
+                    match deliver_with(&guard, &payment, message, "first", recording).await {
+                        Outcome::Applied(result) => firsts.push(result),
+                        duplicate => panic!("a fresh message was a duplicate: {duplicate:?}"),
+                    }
+                }
+                // Redeliveries, each with the other kind of handler than the first had.
+                for ((message, recording), first) in messages.iter().zip(pattern).zip(&firsts) {
+                    assert_eq!(first.is_null(), recording == Recording::Nothing);
+                    let other = match recording {
+                        Recording::Nothing => Recording::Result,
+                        Recording::Result => Recording::Nothing,
+                    };
+                    match deliver_with(&guard, &payment, message, "again", other).await {
+                        Outcome::Duplicate { result, .. } => assert_eq!(&result, first),
+                        applied => panic!("a redelivery applied: {applied:?}"),
+                    }
+                }
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 7);
+                assert_eq!(fx.inbox_rows().await, 7);
             }
 
             #[tokio::test]
@@ -171,6 +234,10 @@ macro_rules! inbox_suite {
             }
 
             async fn competing_round(fx: &Fixture, round: usize, timing: Timing) {
+                competing_round_with(fx, round, timing, Recording::Result).await
+            }
+
+            async fn competing_round_with(fx: &Fixture, round: usize, timing: Timing, recording: Recording) {
                 const KEYS: usize = 200;
                 const TASKS: usize = 8;
                 let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
@@ -193,7 +260,7 @@ macro_rules! inbox_suite {
                         // both head-on and staggered.
                         for i in 0..KEYS {
                             let message = &messages[(i + task * 7) % KEYS];
-                            match deliver(&guard, &payment, message, &format!("task {task}")).await {
+                            match deliver_with(&guard, &payment, message, &format!("task {task}"), recording).await {
                                 Outcome::Applied(_) => applied += 1,
                                 Outcome::Duplicate { .. } => duplicates += 1,
                             }
@@ -209,6 +276,30 @@ macro_rules! inbox_suite {
                 }
                 assert_eq!(applied, KEYS, "round {round} ({timing:?})");
                 assert_eq!(duplicates, KEYS * (TASKS - 1), "round {round} ({timing:?})");
+            }
+
+            /// The same race, with handlers that record no result: every claim of a timed
+            /// key then inserts its row up front, and the insert decides who applies.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn competing_consumers_without_results_apply_each_key_exactly_once() {
+                let fx = fixture().await;
+                let rounds = [
+                    Timing::UuidV7,
+                    Timing::Trusted(at(2026, 12, 2, 9, 0, 0)),
+                    Timing::Unknown,
+                    Timing::UuidV7,
+                    Timing::Trusted(at(2026, 11, 30, 23, 59, 0)),
+                ];
+                for (round, timing) in rounds.into_iter().enumerate() {
+                    competing_round_with(&fx, round, timing, Recording::Nothing).await;
+                }
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 1000);
+                assert_eq!(
+                    fx.scalar("SELECT COUNT(*) FROM (SELECT message_id FROM effects GROUP BY message_id HAVING COUNT(*) > 1) d").await,
+                    0,
+                    "a key was applied twice"
+                );
+                assert_eq!(fx.inbox_rows().await, 1000);
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -1,6 +1,6 @@
 //! [`InboxGuard`]: begin → claim → handler → record result → commit, as one call.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
@@ -14,7 +14,7 @@ use crate::envelope::{ConsumerType, Envelope};
 use crate::inbox::{ConfigError, GuardError, InboxConfig, InboxError, Outcome};
 use crate::metrics;
 use crate::month::Month;
-use crate::store::{ClaimKey, FirstDelivery, InboxStore, PartitionCreation};
+use crate::store::{ClaimKey, Claimed, FirstDelivery, InboxStore, PartitionCreation};
 
 /// The dedup gate every consumed message passes.
 ///
@@ -29,6 +29,9 @@ pub struct InboxGuard<S> {
     clock: Arc<dyn Clock>,
     /// Months known to have a partition, so the hot path does no DDL lookups.
     known_partitions: Arc<Mutex<BTreeSet<Month>>>,
+    /// Per consumer type, whether its handler's last result was non-null: decides
+    /// whether a claim writes the inbox row up front (see `process_inner`).
+    records_results: Arc<Mutex<HashMap<ConsumerType, bool>>>,
 }
 
 impl<S> Clone for InboxGuard<S> {
@@ -38,6 +41,7 @@ impl<S> Clone for InboxGuard<S> {
             config: self.config.clone(),
             clock: Arc::clone(&self.clock),
             known_partitions: Arc::clone(&self.known_partitions),
+            records_results: Arc::clone(&self.records_results),
         }
     }
 }
@@ -64,6 +68,7 @@ impl<S: InboxStore> InboxGuard<S> {
             config,
             clock: Arc::new(SystemClock),
             known_partitions: Arc::default(),
+            records_results: Arc::default(),
         })
     }
 
@@ -91,9 +96,9 @@ impl<S: InboxStore> InboxGuard<S> {
     /// Runs `handler` for `envelope` at most once per `consumer_type`.
     ///
     /// In one transaction: claim `(consumer_type, envelope.id)`; if a delivery was already
-    /// recorded, roll back and return [`Outcome::Duplicate`] with its result (the handler
-    /// does not run); otherwise run `handler` with the transaction, record its result in
-    /// the inbox row and commit. A racing delivery of the same key waits for this one to
+    /// recorded, return [`Outcome::Duplicate`] with its result (the handler does not
+    /// run); otherwise run `handler` with the transaction, record its result in the inbox
+    /// row and commit. A racing delivery of the same key waits for this one to
     /// end, then sees its result.
     ///
     /// A handler error rolls everything back (no inbox row, no side effect) and is
@@ -145,25 +150,34 @@ impl<S: InboxStore> InboxGuard<S> {
         let key = self.placement(consumer_type, envelope, now)?;
         self.ensure_partition(key.bucket).await?;
 
+        // A handler that records no result lets the claim write the inbox row in its own
+        // statement: as few round trips as a hand-written `INSERT … ON CONFLICT` inbox.
+        // One that records a result would then need an UPDATE too, so its claim only
+        // looks, and the row is inserted after the handler. Which one a handler is, is
+        // learnt from its last result; a wrong guess costs time, never correctness.
+        let write_row_at = (!self.records_results(consumer_type)).then_some(now);
         let claim_started = Instant::now();
-        let (mut tx, first) = match self.store.begin_claim(&key).await {
+        let (mut tx, claimed) = match self.store.begin_claim(&key, write_row_at).await {
             Err(error) if S::is_missing_partition(&error) => {
                 // Dropped by a pruner since we cached it: ask again. A pruned month is
                 // refused, never recreated empty.
                 self.known().remove(&key.bucket);
                 self.ensure_partition(key.bucket).await?;
-                self.store.begin_claim(&key).await?
+                self.store.begin_claim(&key, write_row_at).await?
             }
             claimed => claimed?,
         };
         metrics::claim_duration(claim_started.elapsed());
-        if let Some(first) = first {
-            self.count_duplicate(tx, &key, &first, now).await;
-            return Ok(Outcome::Duplicate {
-                first_processed_at: first.processed_at,
-                result: first.result,
-            });
-        }
+        let row_written = match claimed {
+            Claimed::Duplicate(first) => {
+                self.count_duplicate(tx, &key, &first, now).await;
+                return Ok(Outcome::Duplicate {
+                    first_processed_at: first.processed_at,
+                    result: first.result,
+                });
+            }
+            Claimed::Fresh { row_written } => row_written,
+        };
 
         let result = match handler(&mut *tx, envelope).await {
             Ok(result) => result,
@@ -176,6 +190,16 @@ impl<S: InboxStore> InboxGuard<S> {
             }
         };
 
+        self.learn_records_results(consumer_type, !result.is_null());
+        if row_written {
+            // The claim wrote the row with a null result: a handler with nothing to
+            // record costs no statement more than a hand-written inbox.
+            if !result.is_null() {
+                self.store.record_result(&mut tx, &key, &result).await?;
+            }
+            tx.commit().await?;
+            return Ok(Outcome::Applied(result));
+        }
         let recorded = match self.store.record(&mut tx, &key, now, &result).await {
             Err(error) if S::is_missing_partition(&error) => {
                 // The month was dropped under us (its rows expiring meanwhile): nothing
@@ -192,8 +216,8 @@ impl<S: InboxStore> InboxGuard<S> {
             // lock (see `PostgresStore`): our handler ran but must not count. Roll it
             // all back and answer with the row that won.
             tx.rollback().await?;
-            let (tx, first) = self.store.begin_claim(&key).await?;
-            let Some(first) = first else {
+            let (tx, claimed) = self.store.begin_claim(&key, None).await?;
+            let Claimed::Duplicate(first) = claimed else {
                 tx.rollback().await?;
                 return Err(InboxError::ClaimVanished {
                     consumer_type: consumer_type.clone(),
@@ -341,6 +365,25 @@ impl<S: InboxStore> InboxGuard<S> {
     /// asks the store again.
     pub(super) fn forget_partition(&self, month: Month) {
         self.known().remove(&month);
+    }
+
+    fn records_results(&self, consumer_type: &ConsumerType) -> bool {
+        self.records_results
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(consumer_type)
+            .copied()
+            .unwrap_or(false)
+    }
+
+    fn learn_records_results(&self, consumer_type: &ConsumerType, records: bool) {
+        let mut known = self
+            .records_results
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if known.get(consumer_type) != Some(&records) {
+            known.insert(consumer_type.clone(), records);
+        }
     }
 
     fn known(&self) -> std::sync::MutexGuard<'_, BTreeSet<Month>> {

@@ -21,7 +21,7 @@ use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection, Transaction};
 
 use crate::month::Month;
 use crate::store::{
-    BatchClaim, ClaimKey, FirstDelivery, InboxStore, PARTITION_PREFIX, PartitionCreation,
+    BatchClaim, ClaimKey, Claimed, FirstDelivery, InboxStore, PARTITION_PREFIX, PartitionCreation,
 };
 
 /// The SQLite migrations, embedded at build time.
@@ -180,12 +180,18 @@ impl InboxStore for SqliteStore {
     async fn begin_claim(
         &self,
         key: &ClaimKey<'_>,
-    ) -> Result<(Transaction<'static, Sqlite>, Option<FirstDelivery>), sqlx::Error> {
-        // The write lock up front: the lookup and all that follows run alone.
+        _write_row_at: Option<DateTime<Utc>>,
+    ) -> Result<(Transaction<'static, Sqlite>, Claimed), sqlx::Error> {
+        // The write lock up front: the lookup and all that follows run alone. Statements
+        // are in-process calls here, so the row is written after the handler, with its
+        // result, rather than written now and updated.
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let mut tables = None;
-        let first = lookup(&mut tx, key, &mut tables).await?;
-        Ok((tx, first))
+        let claimed = match lookup(&mut tx, key, &mut tables).await? {
+            Some(first) => Claimed::Duplicate(first),
+            None => Claimed::Fresh { row_written: false },
+        };
+        Ok((tx, claimed))
     }
 
     async fn begin_batch_claim(
@@ -243,6 +249,25 @@ impl InboxStore for SqliteStore {
             .execute(&mut **tx)
             .await?;
         Ok(done.rows_affected() == 1)
+    }
+
+    async fn record_result(
+        &self,
+        tx: &mut Transaction<'static, Sqlite>,
+        key: &ClaimKey<'_>,
+        result: &Value,
+    ) -> Result<(), sqlx::Error> {
+        let sql = format!(
+            "UPDATE {} SET result = $3 WHERE consumer_type = $1 AND message_id = $2",
+            table_name(key.bucket)
+        );
+        sqlx::query(AssertSqlSafe(sql))
+            .bind(key.consumer_type.as_str())
+            .bind(key.message_id.as_str())
+            .bind(Json(result))
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
     }
 
     async fn record_duplicate(

@@ -51,6 +51,8 @@ pub(crate) struct BenchArgs {
     pub(crate) concurrency: usize,
     pub(crate) duplicate_rate: f64,
     pub(crate) claim_only: bool,
+    pub(crate) with_result: bool,
+    pub(crate) rounds: usize,
     pub(crate) seed: u64,
     pub(crate) modes: Vec<String>,
     pub(crate) timeless: bool,
@@ -81,8 +83,10 @@ pub(crate) struct BenchReport {
     concurrency: usize,
     duplicate_rate: f64,
     claim_only: bool,
+    with_result: bool,
     timeless: bool,
     batch: usize,
+    rounds: usize,
     modes: Vec<ModeReport>,
     #[serde(skip_serializing_if = "Option::is_none")]
     scale: Option<scale::ScaleReport>,
@@ -142,6 +146,19 @@ fn rss_mb() -> f64 {
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// One mode set up and warmed up, with its figures so far.
+struct Prepared<P, O> {
+    mode: Mode,
+    steps: Option<Arc<P>>,
+    op: O,
+    /// Messages per unit of work: 1, or a batch.
+    unit_size: usize,
+    rss_after_warmup: f64,
+    latencies: Vec<Duration>,
+    applied: usize,
+    elapsed: Duration,
+}
+
 /// One mode's raw figures.
 struct ModeRun {
     mode: Mode,
@@ -159,7 +176,7 @@ CREATE TABLE bench_accounts (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL);
 INSERT INTO bench_accounts SELECT g, 0 FROM generate_series(0, 999) g;
 CREATE TABLE bench_outbox (message_id TEXT NOT NULL, payload TEXT NOT NULL);
 CREATE TABLE bench_raw_inbox (consumer_type TEXT NOT NULL, message_id TEXT NOT NULL,
-    processed_at TIMESTAMPTZ NOT NULL, PRIMARY KEY (consumer_type, message_id));
+    processed_at TIMESTAMPTZ NOT NULL, result JSONB, PRIMARY KEY (consumer_type, message_id));
 ";
 
 const SQLITE_SETUP: &str = "
@@ -168,13 +185,24 @@ WITH RECURSIVE g(n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM g WHERE n < 999)
     INSERT INTO bench_accounts SELECT n, 0 FROM g;
 CREATE TABLE bench_outbox (message_id TEXT NOT NULL, payload TEXT NOT NULL);
 CREATE TABLE bench_raw_inbox (consumer_type TEXT NOT NULL, message_id TEXT NOT NULL,
-    processed_at TEXT NOT NULL, PRIMARY KEY (consumer_type, message_id)) WITHOUT ROWID;
+    processed_at TEXT NOT NULL, result TEXT, PRIMARY KEY (consumer_type, message_id)) WITHOUT ROWID;
 ";
 
 const RAW_CLAIM: &str = "INSERT INTO bench_raw_inbox (consumer_type, message_id, processed_at) \
                          VALUES ($1, $2, $3) ON CONFLICT DO NOTHING";
+const RAW_RESULT: &str =
+    "UPDATE bench_raw_inbox SET result = $3 WHERE consumer_type = $1 AND message_id = $2";
 const BUSINESS_UPDATE: &str = "UPDATE bench_accounts SET balance = balance + 1 WHERE id = $1";
 const OUTBOX_INSERT: &str = "INSERT INTO bench_outbox (message_id, payload) VALUES ($1, $2)";
+
+/// The result a handler records with `--with-result` (else none): small, like a charge id.
+fn handler_result(with_result: bool, account: i64) -> serde_json::Value {
+    if with_result {
+        serde_json::json!({ "account": account })
+    } else {
+        serde_json::Value::Null
+    }
+}
 
 /// The messages of one mode: fresh UUIDv7 ids, some repeated per `--duplicate-rate`.
 fn workload(args: &BenchArgs, rng: &mut StdRng) -> Arc<Vec<(Envelope, i64)>> {
@@ -281,6 +309,7 @@ macro_rules! backend_runner {
         #[derive(Debug)]
         struct $step {
             claim_only: bool,
+            with_result: bool,
         }
 
         impl StepHandler<$db> for $step {
@@ -289,15 +318,15 @@ macro_rules! backend_runner {
                 conn: &mut <$db as sqlx::Database>::Connection,
                 envelope: &Envelope,
             ) -> Result<serde_json::Value, StepError> {
+                let account = envelope.payload["account"]
+                    .as_i64()
+                    .ok_or_else(|| StepError::Permanent("payload has no integer account".into()))?;
                 if !self.claim_only {
-                    let account = envelope.payload["account"].as_i64().ok_or_else(|| {
-                        StepError::Permanent("payload has no integer account".into())
-                    })?;
                     $business(conn, envelope, account)
                         .await
                         .map_err(|error| StepError::Retryable(error.to_string()))?;
                 }
-                Ok(serde_json::Value::Null)
+                Ok(handler_result(self.with_result, account))
             }
         }
 
@@ -308,8 +337,10 @@ macro_rules! backend_runner {
         ) -> Result<Vec<ModeRun>, BoxError> {
             let mut rng = StdRng::seed_from_u64(args.seed);
             let claim_only = args.claim_only;
+            let with_result = args.with_result;
             let batch = args.batch;
             let mut results = Vec::new();
+            let mut prepared = Vec::new();
             // Every mode gets the same messages; its own consumer type (guard, actor,
             // batched) or table (raw_sql) keeps one mode's claims from meeting another's.
             let messages = workload(args, &mut rng);
@@ -334,7 +365,10 @@ macro_rules! backend_runner {
                         StepPool::spawn(
                             guard.clone(),
                             consumer.clone(),
-                            $step { claim_only },
+                            $step {
+                                claim_only,
+                                with_result,
+                            },
                             config,
                         )
                         .await?,
@@ -372,6 +406,14 @@ macro_rules! backend_runner {
                                     if fresh && !claim_only {
                                         $business(&mut tx, envelope, account).await?;
                                     }
+                                    if fresh && with_result {
+                                        sqlx::query(RAW_RESULT)
+                                            .bind(consumer.as_str())
+                                            .bind(envelope.id.as_str())
+                                            .bind(sqlx::types::Json(handler_result(true, account)))
+                                            .execute(&mut *tx)
+                                            .await?;
+                                    }
                                     tx.commit().await?;
                                     usize::from(fresh)
                                 }
@@ -389,7 +431,10 @@ macro_rules! backend_runner {
                                             if !claim_only {
                                                 $business(conn, envelope, account).await?;
                                             }
-                                            Ok::<_, sqlx::Error>(serde_json::Value::Null)
+                                            Ok::<_, sqlx::Error>(handler_result(
+                                                with_result,
+                                                account,
+                                            ))
                                         })
                                         .await?;
                                     usize::from(!outcome.is_duplicate())
@@ -411,12 +456,26 @@ macro_rules! backend_runner {
                                         .map(|(envelope, _)| envelope.clone())
                                         .collect();
                                     let outcomes = guard
-                                        .process_batch_set(&consumer, &envelopes, async |conn, fresh| {
-                                            if !claim_only {
-                                                $business_set(conn, fresh).await?;
-                                            }
-                                            Ok::<_, sqlx::Error>(vec![serde_json::Value::Null; fresh.len()])
-                                        })
+                                        .process_batch_set(
+                                            &consumer,
+                                            &envelopes,
+                                            async |conn, fresh| {
+                                                if !claim_only {
+                                                    $business_set(conn, fresh).await?;
+                                                }
+                                                Ok::<_, sqlx::Error>(
+                                                    fresh
+                                                        .iter()
+                                                        .map(|envelope| {
+                                                            handler_result(
+                                                                with_result,
+                                                                account_of(envelope),
+                                                            )
+                                                        })
+                                                        .collect(),
+                                                )
+                                            },
+                                        )
                                         .await?;
                                     let mut applied = 0;
                                     for outcome in outcomes {
@@ -440,13 +499,14 @@ macro_rules! backend_runner {
                                             &consumer,
                                             &envelopes,
                                             async |conn, envelope| {
+                                                let account = account_of(envelope);
                                                 if !claim_only {
-                                                    let account = envelope.payload["account"]
-                                                        .as_i64()
-                                                        .unwrap_or_default();
                                                     $business(conn, envelope, account).await?;
                                                 }
-                                                Ok::<_, sqlx::Error>(serde_json::Value::Null)
+                                                Ok::<_, sqlx::Error>(handler_result(
+                                                    with_result,
+                                                    account,
+                                                ))
                                             },
                                         )
                                         .await?;
@@ -461,32 +521,60 @@ macro_rules! backend_runner {
                         }
                     }
                 };
-                let units =
-                    |messages: &Arc<Vec<(Envelope, i64)>>| messages.len().div_ceil(unit_size);
-                let (warm, measured) = (warmup.clone(), messages.clone());
+                let warm = warmup.clone();
                 let warm_op = {
                     let op = op.clone();
                     move |unit| op(warm.clone(), unit)
                 };
-                drive(units(&warmup), args.concurrency, warm_op).await?;
-                let rss_after_warmup = rss_mb();
-                let measured_op = {
-                    let op = op.clone();
-                    move |unit| op(measured.clone(), unit)
-                };
-                let (latencies, applied, elapsed) =
-                    drive(units(&messages), args.concurrency, measured_op).await?;
+                drive(warmup.len().div_ceil(unit_size), args.concurrency, warm_op).await?;
+                prepared.push(Prepared {
+                    mode,
+                    steps,
+                    op,
+                    unit_size,
+                    rss_after_warmup: rss_mb(),
+                    latencies: Vec::with_capacity(messages.len()),
+                    applied: 0,
+                    elapsed: Duration::ZERO,
+                });
+            }
+            // The measured messages in rounds, every mode taking its turn in each round:
+            // a checkpoint or an autovacuum run then slows every mode alike instead of
+            // whichever happened to be running (one mode after the other, the ratios of
+            // identical runs differed by up to ±0.06). Round boundaries fall on batches.
+            let rounds = args.rounds.max(1);
+            let step = batch.max(1);
+            let chunk = (messages.len().div_ceil(rounds).div_ceil(step) * step).max(1);
+            for first in (0..messages.len()).step_by(chunk) {
+                let len = chunk.min(messages.len() - first);
+                for run in &mut prepared {
+                    // Units of this round: the mode's units are 1 or `batch` messages, and
+                    // rounds start on a multiple of `batch`.
+                    let unit_size = run.unit_size.max(1);
+                    let first_unit = first / unit_size;
+                    let measured_op = {
+                        let (op, messages) = (run.op.clone(), messages.clone());
+                        move |unit| op(messages.clone(), first_unit + unit)
+                    };
+                    let (latencies, applied, elapsed) =
+                        drive(len.div_ceil(unit_size), args.concurrency, measured_op).await?;
+                    run.latencies.extend(latencies);
+                    run.applied += applied;
+                    run.elapsed += elapsed;
+                }
+            }
+            for run in prepared {
                 let rss_end = rss_mb();
-                drop(op);
-                if let Some(steps) = steps.and_then(|steps| Arc::into_inner(steps)) {
+                drop(run.op);
+                if let Some(steps) = run.steps.and_then(|steps| Arc::into_inner(steps)) {
                     steps.stop().await;
                 }
                 results.push(ModeRun {
-                    mode,
-                    latencies,
-                    applied,
-                    elapsed,
-                    rss_after_warmup,
+                    mode: run.mode,
+                    latencies: run.latencies,
+                    applied: run.applied,
+                    elapsed: run.elapsed,
+                    rss_after_warmup: run.rss_after_warmup,
                     rss_end,
                 });
             }
@@ -697,8 +785,10 @@ pub(crate) async fn run(args: BenchArgs) -> Result<BenchReport, BoxError> {
         concurrency: args.concurrency,
         duplicate_rate: args.duplicate_rate,
         claim_only: args.claim_only,
+        with_result: args.with_result,
         timeless: args.timeless,
         batch: args.batch,
+        rounds: args.rounds,
         modes,
         scale,
         pruning,
@@ -709,11 +799,17 @@ impl std::fmt::Display for BenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "database {}  concurrency {}  duplicate-rate {}{}",
+            "database {}  concurrency {}  duplicate-rate {}  rounds {}{}{}",
             self.database,
             self.concurrency,
             self.duplicate_rate,
+            self.rounds,
             if self.claim_only { "  claim-only" } else { "" },
+            if self.with_result {
+                "  with-result"
+            } else {
+                ""
+            },
         )?;
         if self.timeless {
             writeln!(

@@ -93,6 +93,11 @@ enum Command {
         /// Serve Prometheus metrics at HOST:PORT while the demo runs (e.g. 127.0.0.1:9464).
         #[arg(long, value_name = "HOST:PORT")]
         metrics_addr: Option<String>,
+        /// Soak test mode: run the clock this many times faster than real time (43200: a
+        /// month a minute), so the pruner creates and drops inbox months during the run.
+        /// Use a scratch database: months pruned stay pruned. Not with --resume.
+        #[arg(long, default_value_t = 1.0, value_parser = args::clock_speed)]
+        clock_speed: f64,
     },
     /// Run checkout participants over RabbitMQ until interrupted (Ctrl-C or SIGTERM):
     /// each role consumes sagabox.<role> through its inbox and replies.
@@ -206,6 +211,14 @@ enum Command {
         /// Measure the claim alone: no business statements.
         #[arg(long)]
         claim_only: bool,
+        /// Handlers return a small result that the inbox records (the raw baseline then
+        /// stores it too, with an UPDATE of its inbox row); by default they return none.
+        #[arg(long)]
+        with_result: bool,
+        /// Measure in this many rounds, every mode taking its turn in each, so that a
+        /// checkpoint or autovacuum slows all modes alike.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u16).range(1..=1000))]
+        rounds: u16,
         /// Seed of the workload's random choices.
         #[arg(long, default_value_t = 1)]
         seed: u64,
@@ -379,6 +392,7 @@ async fn main() -> ExitCode {
             queue_prefix,
             external_participants,
             metrics_addr,
+            clock_speed,
         } => {
             if let Some(addr) = metrics_addr
                 && let Err(error) = start_metrics(&addr)
@@ -402,6 +416,8 @@ async fn main() -> ExitCode {
                     queue_prefix,
                     external_participants,
                 }),
+                clock_speed,
+                clock_start: None,
             };
             report(
                 "demo",
@@ -518,6 +534,8 @@ async fn main() -> ExitCode {
             concurrency,
             duplicate_rate,
             claim_only,
+            with_result,
+            rounds,
             seed,
             json,
             modes,
@@ -532,6 +550,8 @@ async fn main() -> ExitCode {
                 concurrency,
                 duplicate_rate,
                 claim_only,
+                with_result,
+                rounds: usize::from(rounds),
                 seed,
                 modes,
                 timeless,
