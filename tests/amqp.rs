@@ -920,3 +920,40 @@ async fn the_relay_rides_through_database_cuts_and_refusals() {
         ids.len()
     );
 }
+
+/// A peer that accepts the TCP connection but never speaks AMQP (a wrong port, a hung
+/// broker): `connect` gives up after its bound with a typed timeout that names the URL
+/// without its password, instead of leaving a consumer or relay waiting forever.
+#[tokio::test]
+async fn a_broker_that_never_answers_is_a_connect_timeout_not_a_hang() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let silent_peer = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let config = sagabox::amqp::AmqpConfig::new(format!(
+        "amqp://guest:s3cret-pw@127.0.0.1:{port}/%2f"
+    ));
+    let started = std::time::Instant::now();
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(30),
+        sagabox::amqp::connect(&config, "silent"),
+    )
+    .await
+    .expect("connect must give up on its own");
+    let Err(error) = outcome else {
+        panic!("a silent peer cannot complete the AMQP handshake");
+    };
+    assert!(
+        matches!(error, sagabox::amqp::AmqpError::ConnectTimeout { .. }),
+        "{error}"
+    );
+    assert!(started.elapsed() >= Duration::from_secs(9), "{:?}", started.elapsed());
+    let text = error.to_string();
+    assert!(text.contains(&format!("127.0.0.1:{port}")), "{text}");
+    assert!(!text.contains("s3cret-pw"), "{text}");
+    silent_peer.abort();
+}
