@@ -934,9 +934,8 @@ async fn a_broker_that_never_answers_is_a_connect_timeout_not_a_hang() {
             held.push(socket);
         }
     });
-    let config = sagabox::amqp::AmqpConfig::new(format!(
-        "amqp://guest:s3cret-pw@127.0.0.1:{port}/%2f"
-    ));
+    let config =
+        sagabox::amqp::AmqpConfig::new(format!("amqp://guest:s3cret-pw@127.0.0.1:{port}/%2f"));
     let started = std::time::Instant::now();
     let outcome = tokio::time::timeout(
         Duration::from_secs(30),
@@ -951,7 +950,11 @@ async fn a_broker_that_never_answers_is_a_connect_timeout_not_a_hang() {
         matches!(error, sagabox::amqp::AmqpError::ConnectTimeout { .. }),
         "{error}"
     );
-    assert!(started.elapsed() >= Duration::from_secs(9), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() >= Duration::from_secs(9),
+        "{:?}",
+        started.elapsed()
+    );
     let text = error.to_string();
     assert!(text.contains(&format!("127.0.0.1:{port}")), "{text}");
     assert!(!text.contains("s3cret-pw"), "{text}");
