@@ -57,9 +57,19 @@ pub const MAX_CLOCK_SPEED: f64 = 1e9;
 /// A [`ScaledClock`] speed that is not a finite number within `1..=1e9`.
 #[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
 #[error(
-    "clock speed must be a number from 1 to 1e9 (1 is real time, 43200 a month a minute), got {0}"
+    "clock speed must be a number from 1 to 1e9 (1 is real time, 43200 a month a minute), got {}",
+    shown(*.0)
 )]
 pub struct InvalidClockSpeed(pub f64);
+
+/// `value` as written, or in scientific notation when that would run to many digits.
+fn shown(value: f64) -> String {
+    if value == 0.0 || (1e-3..1e12).contains(&value.abs()) {
+        value.to_string()
+    } else {
+        format!("{value:e}")
+    }
+}
 
 /// A clock that starts at a given time and runs `speed` times faster than the wall
 /// clock: with 43,200 a month passes in a minute. For soak runs that watch the pruner
@@ -129,5 +139,9 @@ mod tests {
             assert!(ScaledClock::new(origin, speed).is_err(), "{speed}");
         }
         assert!(ScaledClock::new(origin, 1.0).is_ok());
+        let huge = ScaledClock::new(origin, 1e300).unwrap_err().to_string();
+        assert!(huge.ends_with("got 1e300"), "{huge}");
+        let half = ScaledClock::new(origin, 0.5).unwrap_err().to_string();
+        assert!(half.ends_with("got 0.5"), "{half}");
     }
 }

@@ -538,6 +538,18 @@ fn check_rate(text: &str) -> Result<(), TestCaseError> {
             prop_assert!(error.to_string().len() < 300);
         }
     }
+    // The same numbers as `demo --clock-speed`.
+    match args::clock_speed(text) {
+        Ok(value) => prop_assert!(value.is_finite() && (1.0..=1e9).contains(&value)),
+        Err(error) => {
+            let typed = matches!(
+                error,
+                ArgError::ClockSpeedNotANumber(_) | ArgError::ClockSpeed(_)
+            );
+            prop_assert!(typed, "{text:?}: {error:?}");
+            prop_assert!(error.to_string().len() < 300, "{error}");
+        }
+    }
     Ok(())
 }
 
