@@ -185,8 +185,7 @@ pub fn clock_speed(text: &str) -> Result<f64, ArgError> {
         .trim()
         .parse()
         .map_err(|_| ArgError::ClockSpeedNotANumber(text.chars().take(64).collect()))?;
-    crate::clock::ScaledClock::new(chrono::Utc::now(), value)?;
-    Ok(value)
+    Ok(crate::clock::ScaledClock::check_speed(value)?)
 }
 
 fn parse_rate(text: &str) -> Result<f64, ArgError> {

@@ -86,14 +86,20 @@ pub struct ScaledClock {
 impl ScaledClock {
     /// A clock showing `origin` now and running `speed` times faster than real time.
     pub fn new(origin: DateTime<Utc>, speed: f64) -> Result<Self, InvalidClockSpeed> {
-        if !(speed.is_finite() && (1.0..=MAX_CLOCK_SPEED).contains(&speed)) {
-            return Err(InvalidClockSpeed(speed));
-        }
         Ok(Self {
             origin,
             started: Instant::now(),
-            speed,
+            speed: Self::check_speed(speed)?,
         })
+    }
+
+    /// `speed` if a clock can run at it: a finite number within `1..=`[`MAX_CLOCK_SPEED`].
+    pub fn check_speed(speed: f64) -> Result<f64, InvalidClockSpeed> {
+        if speed.is_finite() && (1.0..=MAX_CLOCK_SPEED).contains(&speed) {
+            Ok(speed)
+        } else {
+            Err(InvalidClockSpeed(speed))
+        }
     }
 
     /// How many times faster than real time it runs.

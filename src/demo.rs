@@ -236,6 +236,16 @@ impl DemoConfig {
     }
 }
 
+/// Stops an actor when dropped, so that a run ending in an error leaves none behind (the
+/// pruner would go on polling the database, the orchestrator on holding its pools).
+struct StopOnDrop<M: ractor::Message>(ractor::ActorRef<M>);
+
+impl<M: ractor::Message> Drop for StopOnDrop<M> {
+    fn drop(&mut self) {
+        self.0.stop(None);
+    }
+}
+
 /// The demo's pruner: a pass of the guard's, keeping the months it dropped for the
 /// summary.
 #[derive(Debug)]
@@ -722,6 +732,7 @@ macro_rules! backend_run {
             )
             .await
             .map_err(|e| DemoError::Actor(e.to_string()))?;
+            let _stop_pruner = StopOnDrop(pruner.clone());
             let pool = store.pool().clone();
             sqlx::raw_sql($tables).execute(&pool).await?;
             // The run's size is stored, so that `resume` can place what a killed run
@@ -785,6 +796,7 @@ macro_rules! backend_run {
             )
             .await
             .map_err(|e| DemoError::Actor(e.to_string()))?;
+            let _stop_orchestrator = StopOnDrop(orchestrator.clone());
 
             let started = Instant::now();
             let progress = if config.progress {

@@ -455,3 +455,23 @@ impl StepPool {
         let _ = self.handle.await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A step with nothing to report records nothing (so the inbox can skip writing a
+    /// result) and reads back as what it was; every other outcome keeps its wrapper.
+    #[test]
+    fn outcomes_round_trip_through_their_record_and_done_null_records_null() {
+        assert_eq!(StepOutcome::Done(Value::Null).to_record(), Value::Null);
+        for outcome in [
+            StepOutcome::Done(Value::Null),
+            StepOutcome::Done(json!({"charge_id": "c-1"})),
+            StepOutcome::Done(json!({"refused": "not a refusal, a value"})),
+            StepOutcome::Refused("card declined".into()),
+        ] {
+            assert_eq!(StepOutcome::from_record(&outcome.to_record()), outcome);
+        }
+    }
+}

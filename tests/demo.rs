@@ -296,3 +296,41 @@ timeout = "5s"
         orchestrator.stop(None);
     }
 }
+
+/// A run that fails part-way leaves no actor behind: its pruner, on a clock a million
+/// times fast, would otherwise go on creating months in the database after `run`
+/// returned the error.
+mod failed_run {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_run_that_fails_stops_its_pruner() {
+        let fx = common::Pg::new().await;
+        // A `demo_run` the demo cannot write its size to: the run fails after the pruner
+        // has started.
+        fx.exec("CREATE TABLE demo_run (unrelated INTEGER)").await;
+        let newest = async || {
+            sqlx::query_scalar::<_, Option<String>>(
+                "SELECT MAX(c.relname::text) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+                 WHERE i.inhparent = 'sagabox_inbox'::regclass",
+            )
+            .fetch_one(&fx.pool)
+            .await
+            .unwrap()
+        };
+        let config = DemoConfig {
+            clock_speed: 1e6,
+            ..faulty(10)
+        };
+        let error = run(&fx.url, &config).await.unwrap_err();
+        assert!(error.to_string().contains("orders"), "{error}");
+        let after_error = newest().await;
+        // 4 s at a million times is 46 days: a live pruner would have added a month.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        assert_eq!(
+            newest().await,
+            after_error,
+            "the pruner outlived the failed run"
+        );
+    }
+}

@@ -233,11 +233,7 @@ macro_rules! inbox_suite {
                 assert_eq!(fx.inbox_rows().await, 1);
             }
 
-            async fn competing_round(fx: &Fixture, round: usize, timing: Timing) {
-                competing_round_with(fx, round, timing, Recording::Result).await
-            }
-
-            async fn competing_round_with(fx: &Fixture, round: usize, timing: Timing, recording: Recording) {
+            async fn competing_round(fx: &Fixture, round: usize, timing: Timing, recording: Recording) {
                 const KEYS: usize = 200;
                 const TASKS: usize = 8;
                 let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
@@ -278,6 +274,17 @@ macro_rules! inbox_suite {
                 assert_eq!(duplicates, KEYS * (TASKS - 1), "round {round} ({timing:?})");
             }
 
+            /// `keys` side effects, none for the same key twice, and one inbox row each.
+            async fn assert_each_key_applied_once(fx: &Fixture, keys: i64) {
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, keys);
+                assert_eq!(
+                    fx.scalar("SELECT COUNT(*) FROM (SELECT message_id FROM effects GROUP BY message_id HAVING COUNT(*) > 1) d").await,
+                    0,
+                    "a key was applied twice"
+                );
+                assert_eq!(fx.inbox_rows().await, keys);
+            }
+
             /// The same race, with handlers that record no result: every claim of a timed
             /// key then inserts its row up front, and the insert decides who applies.
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -291,15 +298,9 @@ macro_rules! inbox_suite {
                     Timing::Trusted(at(2026, 11, 30, 23, 59, 0)),
                 ];
                 for (round, timing) in rounds.into_iter().enumerate() {
-                    competing_round_with(&fx, round, timing, Recording::Nothing).await;
+                    competing_round(&fx, round, timing, Recording::Nothing).await;
                 }
-                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 1000);
-                assert_eq!(
-                    fx.scalar("SELECT COUNT(*) FROM (SELECT message_id FROM effects GROUP BY message_id HAVING COUNT(*) > 1) d").await,
-                    0,
-                    "a key was applied twice"
-                );
-                assert_eq!(fx.inbox_rows().await, 1000);
+                assert_each_key_applied_once(&fx, 1000).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -314,15 +315,9 @@ macro_rules! inbox_suite {
                     Timing::Trusted(at(2026, 12, 2, 9, 0, 0)),
                 ];
                 for (round, timing) in rounds.into_iter().enumerate() {
-                    competing_round(&fx, round, timing).await;
+                    competing_round(&fx, round, timing, Recording::Result).await;
                 }
-                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 1200);
-                assert_eq!(
-                    fx.scalar("SELECT COUNT(*) FROM (SELECT message_id FROM effects GROUP BY message_id HAVING COUNT(*) > 1) d").await,
-                    0,
-                    "a key was applied twice"
-                );
-                assert_eq!(fx.inbox_rows().await, 1200);
+                assert_each_key_applied_once(&fx, 1200).await;
             }
 
             async fn month_boundary(timing: Timing) {

@@ -18,7 +18,8 @@ use std::time::Duration;
 use chrono::{DateTime, NaiveDate, Utc};
 use serde_json::Value;
 use sqlx::migrate::{MigrateError, Migrator};
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgArguments, PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::query::Query;
 use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Row, Transaction};
 
@@ -156,7 +157,7 @@ fn claim_insert_sql(key: &ClaimKey<'_>) -> String {
 }
 
 /// The first delivery's columns of a claim's row, if it found one.
-fn first_delivery(row: &sqlx::postgres::PgRow) -> Result<Option<FirstDelivery>, sqlx::Error> {
+fn first_delivery(row: &PgRow) -> Result<Option<FirstDelivery>, sqlx::Error> {
     Ok(
         match row.try_get::<Option<DateTime<Utc>>, _>("processed_at")? {
             Some(processed_at) => Some(FirstDelivery {
@@ -166,6 +167,42 @@ fn first_delivery(row: &sqlx::postgres::PgRow) -> Result<Option<FirstDelivery>, 
             None => None,
         },
     )
+}
+
+/// The advisory lock object that serialises partition DDL and the pruned watermark.
+const DDL_LOCK: i32 = 0;
+
+/// Waits for the advisory lock `(LOCK_CLASS, lock)` (a key's, or [`DDL_LOCK`]), held until
+/// the transaction ends.
+async fn wait_for_lock(
+    tx: &mut Transaction<'static, Postgres>,
+    lock: i32,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT pg_advisory_xact_lock($1, $2)")
+        .bind(LOCK_CLASS)
+        .bind(lock)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// A claim statement with its arguments bound, ready to run.
+type ClaimQuery<'q> = Query<'q, Postgres, PgArguments>;
+
+/// Runs `statement`, which tries the key's lock and reports it as `locked`. When another
+/// delivery of the key holds the lock, waits for it to end and runs the statement again:
+/// a new statement, whose snapshot sees what that delivery committed.
+async fn once_locked<'q>(
+    tx: &mut Transaction<'static, Postgres>,
+    lock: i32,
+    statement: impl Fn() -> ClaimQuery<'q>,
+) -> Result<PgRow, sqlx::Error> {
+    let row = statement().fetch_one(&mut **tx).await?;
+    if row.try_get::<bool, _>("locked")? {
+        return Ok(row);
+    }
+    wait_for_lock(tx, lock).await?;
+    statement().fetch_one(&mut **tx).await
 }
 
 impl InboxStore for PostgresStore {
@@ -183,76 +220,57 @@ impl InboxStore for PostgresStore {
             .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
             .await?;
         let lock = key_lock(key);
-        let lock_blocking = async |tx: &mut Transaction<'static, Postgres>| {
-            sqlx::query("SELECT pg_advisory_xact_lock($1, $2)")
-                .bind(LOCK_CLASS)
-                .bind(lock)
-                .execute(&mut **tx)
-                .await
-        };
-        let lookup_sql = claim_sql(key);
-        let lookup = async |tx: &mut Transaction<'static, Postgres>| {
-            sqlx::query(AssertSqlSafe(lookup_sql.clone()))
+        // The SQL is rendered where it runs: the insert-first claim of a fresh message
+        // never renders the lookup.
+        let lookup = || {
+            sqlx::query(AssertSqlSafe(claim_sql(key)))
                 .bind(LOCK_CLASS)
                 .bind(lock)
                 .bind(key.consumer_type.as_str())
                 .bind(key.message_id.as_str())
-                .fetch_one(&mut **tx)
-                .await
         };
-        let found = |first: Option<FirstDelivery>| match first {
-            Some(first) => Claimed::Duplicate(first),
-            None => Claimed::Fresh { row_written: false },
+        let found = |row: &PgRow| {
+            Ok::<_, sqlx::Error>(match first_delivery(row)? {
+                Some(first) => Claimed::Duplicate(first),
+                None => Claimed::Fresh { row_written: false },
+            })
         };
 
         if key.probe_all {
             // A message without a time may have its first row in another partition than
             // the one this claim writes to, so no primary key would catch a race: take
             // the lock first, then look in every partition (the try in `lookup` succeeds).
-            lock_blocking(&mut tx).await?;
-            let row = lookup(&mut tx).await?;
-            let first = first_delivery(&row)?;
-            return Ok((tx, found(first)));
+            wait_for_lock(&mut tx, lock).await?;
+            let row = lookup().fetch_one(&mut *tx).await?;
+            let claimed = found(&row)?;
+            return Ok((tx, claimed));
         }
         let Some(processed_at) = write_row_at else {
             // Look only; the row is inserted after the handler, with its result. A
             // delivery committing between this lookup's snapshot and its lock is caught
             // by that insert meeting its row (the guard then rolls back).
-            let mut row = lookup(&mut tx).await?;
-            if !row.try_get::<bool, _>("locked")? {
-                lock_blocking(&mut tx).await?;
-                row = lookup(&mut tx).await?;
-            }
-            let first = first_delivery(&row)?;
-            return Ok((tx, found(first)));
+            let row = once_locked(&mut tx, lock, lookup).await?;
+            let claimed = found(&row)?;
+            return Ok((tx, claimed));
         };
 
-        let insert_sql = claim_insert_sql(key);
-        let claim = async |tx: &mut Transaction<'static, Postgres>| {
-            sqlx::query(AssertSqlSafe(insert_sql.clone()))
+        let claim = || {
+            sqlx::query(AssertSqlSafe(claim_insert_sql(key)))
                 .bind(LOCK_CLASS)
                 .bind(lock)
                 .bind(key.consumer_type.as_str())
                 .bind(key.message_id.as_str())
                 .bind(key.bucket.first_day())
                 .bind(processed_at)
-                .fetch_one(&mut **tx)
-                .await
         };
-        let mut row = claim(&mut tx).await?;
-        if !row.try_get::<bool, _>("locked")? {
-            // Another delivery of the key holds the lock: wait for it to end, then claim
-            // again in a new statement, whose snapshot sees what it committed.
-            lock_blocking(&mut tx).await?;
-            row = claim(&mut tx).await?;
-        }
+        let row = once_locked(&mut tx, lock, claim).await?;
         if row.try_get::<bool, _>("inserted")? {
             return Ok((tx, Claimed::Fresh { row_written: true }));
         }
         // The insert met the key's row: a duplicate. Read what it recorded.
-        let row = lookup(&mut tx).await?;
-        let first = first_delivery(&row)?;
-        Ok((tx, found(first)))
+        let row = lookup().fetch_one(&mut *tx).await?;
+        let claimed = found(&row)?;
+        Ok((tx, claimed))
     }
 
     async fn begin_batch_claim(
@@ -439,10 +457,7 @@ impl InboxStore for PostgresStore {
         let name = partition_name(month);
         let mut tx = self.pool.begin().await?;
         // Serialises with other creators and with the pruner's watermark update.
-        sqlx::query("SELECT pg_advisory_xact_lock($1, 0)")
-            .bind(LOCK_CLASS)
-            .execute(&mut *tx)
-            .await?;
+        wait_for_lock(&mut tx, DDL_LOCK).await?;
         let (exists, attached, pruned_through): (bool, bool, Option<NaiveDate>) = sqlx::query_as(
             "SELECT to_regclass($1) IS NOT NULL, \
                     EXISTS (SELECT 1 FROM pg_inherits \
@@ -508,10 +523,7 @@ impl InboxStore for PostgresStore {
         // The watermark first, under the creators' lock, and committed: from here on no
         // claim can recreate this month, even between the detach and the drop below.
         let mut tx = self.pool.begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1, 0)")
-            .bind(LOCK_CLASS)
-            .execute(&mut *tx)
-            .await?;
+        wait_for_lock(&mut tx, DDL_LOCK).await?;
         sqlx::query(
             "INSERT INTO sagabox_inbox_pruned (pruned_through) VALUES ($1) \
              ON CONFLICT (singleton) DO UPDATE \
