@@ -21,7 +21,6 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use indicatif::{ProgressBar, ProgressStyle};
-use ractor::Actor;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use serde::Serialize;
@@ -33,11 +32,12 @@ use crate::database::{Backend, redact};
 use crate::inbox::{InboxConfig, InboxError, InboxGuard};
 use crate::month::Month;
 use crate::orchestrator::{
-    DriveStats, Faults, Orchestrator, OrchestratorArguments, OrchestratorMessage,
+    DriveError, DriveStats, Faults, Orchestrator, OrchestratorArguments, OrchestratorMessage,
 };
 use crate::pruner::{Maintenance, PrunePass, Pruner, PrunerArguments};
 use crate::saga::{DefinitionError, SagaDefinition, SagaInstance, SagaStore};
 use crate::step::{StepError, StepHandler, StepPoolConfig};
+use crate::supervisor::{ActorDied, Supervision};
 
 /// The checkout saga, as shipped in `sagas/checkout.toml`.
 pub const CHECKOUT_TOML: &str = include_str!("../sagas/checkout.toml");
@@ -155,6 +155,12 @@ pub enum DemoError {
     /// An actor did not start or answer.
     #[error("actor failure: {0}")]
     Actor(String),
+    /// An actor of the run died: the run stopped rather than wait on it.
+    #[error(transparent)]
+    ActorDied(#[from] ActorDied),
+    /// A saga's driver crashed.
+    #[error(transparent)]
+    Drive(#[from] DriveError),
     /// RabbitMQ failed.
     #[cfg(feature = "rabbitmq")]
     #[error(transparent)]
@@ -233,16 +239,6 @@ impl DemoConfig {
     /// Time between the pruner's passes: an hour of the run's clock, at least 250 ms.
     fn prune_interval(&self) -> Duration {
         Duration::from_secs_f64((3600.0 / self.clock_speed).max(0.25))
-    }
-}
-
-/// Stops an actor when dropped, so that a run ending in an error leaves none behind (the
-/// pruner would go on polling the database, the orchestrator on holding its pools).
-struct StopOnDrop<M: ractor::Message>(ractor::ActorRef<M>);
-
-impl<M: ractor::Message> Drop for StopOnDrop<M> {
-    fn drop(&mut self) {
-        self.0.stop(None);
     }
 }
 
@@ -716,11 +712,17 @@ macro_rules! backend_run {
                 .map_err(InboxError::from)?
                 .with_clock(clock);
             guard.migrate().await?;
+            // Every actor of the run is linked to one supervisor: if one dies, the run
+            // ends with its cause instead of waiting on it. Dropped on any return, it
+            // stops them all.
+            let supervision = Supervision::start()
+                .await
+                .map_err(|e| DemoError::Actor(e.to_string()))?;
             // The pruner runs as it would beside a deployment; under a fast clock it is
             // what keeps creating the months ahead and dropping the expired ones.
             let months_pruned = Arc::new(Mutex::new(Vec::new()));
-            let (pruner, pruner_handle) = Actor::spawn(
-                None,
+            let (pruner, pruner_handle) = supervision.spawn(
+                "pruner",
                 Pruner::new(),
                 PrunerArguments {
                     maintenance: TalliedMaintenance {
@@ -732,7 +734,6 @@ macro_rules! backend_run {
             )
             .await
             .map_err(|e| DemoError::Actor(e.to_string()))?;
-            let _stop_pruner = StopOnDrop(pruner.clone());
             let pool = store.pool().clone();
             sqlx::raw_sql($tables).execute(&pool).await?;
             // The run's size is stored, so that `resume` can place what a killed run
@@ -775,12 +776,13 @@ macro_rules! backend_run {
                 &handler,
                 &pool_config,
                 config.transport.as_ref(),
+                &supervision,
             )
             .await?;
             let dispatch = Arc::new(dispatch);
             let stats = Arc::new(DriveStats::default());
-            let (orchestrator, orchestrator_handle) = Actor::spawn(
-                None,
+            let (orchestrator, orchestrator_handle) = supervision.spawn(
+                "orchestrator",
                 Orchestrator::new(),
                 OrchestratorArguments {
                     definition: Arc::clone(&definition),
@@ -796,7 +798,6 @@ macro_rules! backend_run {
             )
             .await
             .map_err(|e| DemoError::Actor(e.to_string()))?;
-            let _stop_orchestrator = StopOnDrop(orchestrator.clone());
 
             let started = Instant::now();
             let progress = if config.progress {
@@ -808,6 +809,7 @@ macro_rules! backend_run {
                 ProgressStyle::with_template("{spinner} {msg} [{bar:40}] {pos}/{len} sagas ({per_sec})")
                     .unwrap_or_else(|_| ProgressStyle::default_bar()),
             );
+            let work = async {
             let resumed = if config.resume {
                 progress.set_message("resuming");
                 let resumed = ractor::call!(orchestrator, OrchestratorMessage::ResumeAll)
@@ -854,7 +856,8 @@ macro_rules! backend_run {
                     let done = ractor::call!(orchestrator, OrchestratorMessage::Run, saga.id);
                     progress.inc(1);
                     drop(permit);
-                    done.map_err(|e| DemoError::Actor(e.to_string()))
+                    done.map_err(|e| DemoError::Actor(e.to_string()))?
+                        .map_err(DemoError::from)
                 });
             }
             while let Some(joined) = running.join_next().await {
@@ -864,7 +867,16 @@ macro_rules! backend_run {
                 ractor::call!(orchestrator, OrchestratorMessage::WhenIdle)
                     .map_err(|e| DemoError::Actor(e.to_string()))?;
             }
-            let finished = resumed + to_place;
+            Ok::<_, DemoError>(resumed + to_place)
+            };
+            let finished = tokio::select! {
+                done = work => match done {
+                    Ok(finished) => finished,
+                    // An actor that died makes the calls to it fail: its death is the cause.
+                    Err(error) => return Err(supervision.check().err().map_or(error, DemoError::from)),
+                },
+                died = supervision.died() => return Err(died.into()),
+            };
             progress.finish_and_clear();
             let elapsed = started.elapsed();
             orchestrator.stop(None);
@@ -875,6 +887,7 @@ macro_rules! backend_run {
             }
             pruner.stop(None);
             let _ = pruner_handle.await;
+            supervision.stop().await;
             let months_pruned = std::mem::take(
                 &mut *months_pruned.lock().unwrap_or_else(PoisonError::into_inner),
             );

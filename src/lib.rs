@@ -73,6 +73,8 @@
 //!   commit and dead-letters bad input, the outbox relay with publisher confirms, and the
 //!   orchestrator's commands and replies over queues.
 //! - [`pruner`]: the [`Pruner`](pruner::Pruner) actor — partitions ahead, expired ones dropped.
+//! - [`supervisor`]: [`Supervision`](supervisor::Supervision) — the process's actors linked
+//!   to one supervisor, so that a death ends the run with its cause instead of a hang.
 //! - [`inspect`]: what `sagabox inspect` reports — partitions, the inbox's reach against
 //!   the TTL and the broker, duplicates suppressed, sagas, the outbox — read by SQL.
 //! - [`metrics`]: the metric catalogue ([`CATALOGUE`](metrics::CATALOGUE)) and the
@@ -118,6 +120,7 @@ pub mod pruner;
 pub mod saga;
 pub mod step;
 pub mod store;
+pub mod supervisor;
 pub mod telemetry;
 
 pub use clock::{Clock, InvalidClockSpeed, ManualClock, ScaledClock, SystemClock};

@@ -23,10 +23,12 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::marker::PhantomData;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
+use futures_util::FutureExt;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -123,14 +125,31 @@ pub struct DriveStats {
 pub enum OrchestratorMessage {
     /// Drive this instance (its row must exist) to a terminal state.
     Drive(String),
-    /// Drive this instance and answer when its driver has finished.
-    Run(String, RpcReplyPort<()>),
+    /// Drive this instance and answer when its driver has finished: `Ok` once the saga
+    /// reached a terminal state or was left for an operator, `Err` if its driver crashed.
+    Run(String, RpcReplyPort<Result<(), DriveError>>),
     /// Drive every unfinished instance; answers how many were started.
     ResumeAll(RpcReplyPort<Result<usize, String>>),
     /// Answer once no instance is in flight.
     WhenIdle(RpcReplyPort<()>),
-    /// A driver ended (sent by the driver task).
-    Finished(String),
+    /// A driver ended (sent by the driver task), or crashed.
+    Finished(String, Result<(), DriveError>),
+}
+
+/// Why a saga's driver ended without finishing its work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DriveError {
+    /// The driver panicked (a bug in a [`Dispatch`] or in the orchestrator). The saga
+    /// keeps its last stored state; [`OrchestratorMessage::ResumeAll`] or a new `Run`
+    /// drives it again from there.
+    #[error("the driver of saga {saga_id} panicked: {message}")]
+    Panicked {
+        /// The saga it was driving.
+        saga_id: String,
+        /// The panic's message.
+        message: String,
+    },
 }
 
 /// What the orchestrator runs with.
@@ -154,7 +173,7 @@ pub struct OrchestratorState<St, D> {
     dispatch: Arc<D>,
     stats: Arc<DriveStats>,
     /// Instances being driven, with whoever waits for each to finish.
-    in_flight: HashMap<String, Vec<RpcReplyPort<()>>>,
+    in_flight: HashMap<String, Vec<RpcReplyPort<Result<(), DriveError>>>>,
     /// The driver tasks, aborted when the actor stops.
     drivers: HashMap<String, tokio::task::AbortHandle>,
     idle_waiters: Vec<RpcReplyPort<()>>,
@@ -181,7 +200,7 @@ impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
         myself: &ActorRef<OrchestratorMessage>,
         state: &mut OrchestratorState<St, D>,
         id: String,
-        waiter: Option<RpcReplyPort<()>>,
+        waiter: Option<RpcReplyPort<Result<(), DriveError>>>,
     ) {
         if let Some(waiters) = state.in_flight.get_mut(&id) {
             // Already being driven: never two drivers for one saga.
@@ -200,9 +219,17 @@ impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
         let myself = myself.clone();
         let key = id.clone();
         let task = tokio::spawn(async move {
-            driver.drive(&id).await;
+            // A driver that panics must still end its saga's entry: otherwise whoever
+            // waits on the saga (`Run`, `WhenIdle`) would wait forever.
+            let ended = AssertUnwindSafe(driver.drive(&id))
+                .catch_unwind()
+                .await
+                .map_err(|panic| DriveError::Panicked {
+                    saga_id: id.clone(),
+                    message: panic_message(panic.as_ref()),
+                });
             // The actor may be stopping; then nobody is waiting for this.
-            let _ = myself.send_message(OrchestratorMessage::Finished(id));
+            let _ = myself.send_message(OrchestratorMessage::Finished(id, ended));
         });
         state.drivers.insert(key, task.abort_handle());
     }
@@ -270,10 +297,13 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
                     state.idle_waiters.push(reply);
                 }
             }
-            OrchestratorMessage::Finished(id) => {
+            OrchestratorMessage::Finished(id, ended) => {
+                if let Err(error) = &ended {
+                    tracing::error!(saga_id = %id, %error, "saga driver crashed; the saga stays as last stored");
+                }
                 state.drivers.remove(&id);
                 for waiter in state.in_flight.remove(&id).into_iter().flatten() {
-                    let _ = waiter.send(());
+                    let _ = waiter.send(ended.clone());
                 }
                 if state.in_flight.is_empty() {
                     for waiter in state.idle_waiters.drain(..) {
@@ -546,6 +576,15 @@ fn record_result(data: &mut Value, step: &str, result: Value) {
             steps.insert(step.to_owned(), result);
         }
     }
+}
+
+/// The text of a panic's payload (`panic!` with a string or a format).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|text| (*text).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic with a non-text payload".to_owned())
 }
 
 /// A per-saga seed for backoff jitter: FNV-1a of the id.

@@ -29,6 +29,7 @@ use tokio::task::JoinHandle;
 use crate::envelope::{ConsumerType, Envelope};
 use crate::inbox::{GuardError, InboxError, InboxGuard, Outcome};
 use crate::store::InboxStore;
+use crate::supervisor::Supervision;
 
 /// Why a step handler did not succeed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -343,6 +344,37 @@ impl StepPool {
         S: InboxStore,
         H: StepHandler<S::Db>,
     {
+        Self::spawn_under(guard, consumer_type, handler, config, None).await
+    }
+
+    /// [`StepPool::spawn`], with the pool linked to `supervision`: if the pool itself
+    /// dies (its workers are replaced by the pool), the process learns it from
+    /// [`Supervision::died`]. Labelled `step pool <consumer_type>`.
+    pub async fn spawn_supervised<S, H>(
+        guard: InboxGuard<S>,
+        consumer_type: ConsumerType,
+        handler: H,
+        config: StepPoolConfig,
+        supervision: &Supervision,
+    ) -> Result<Self, SpawnErr>
+    where
+        S: InboxStore,
+        H: StepHandler<S::Db>,
+    {
+        Self::spawn_under(guard, consumer_type, handler, config, Some(supervision)).await
+    }
+
+    async fn spawn_under<S, H>(
+        guard: InboxGuard<S>,
+        consumer_type: ConsumerType,
+        handler: H,
+        config: StepPoolConfig,
+        supervision: Option<&Supervision>,
+    ) -> Result<Self, SpawnErr>
+    where
+        S: InboxStore,
+        H: StepHandler<S::Db>,
+    {
         let handler = Arc::new(handler);
         let builder = {
             let consumer_type = consumer_type.clone();
@@ -362,8 +394,18 @@ impl StepPool {
             .router(Default::default())
             .num_initial_workers(config.workers.max(1))
             .build();
-        let (factory, handle) =
-            Actor::spawn(None, StepFactory::<S, H>::default(), arguments).await?;
+        let (factory, handle) = match supervision {
+            Some(supervision) => {
+                supervision
+                    .spawn(
+                        &format!("step pool {consumer_type}"),
+                        StepFactory::<S, H>::default(),
+                        arguments,
+                    )
+                    .await?
+            }
+            None => Actor::spawn(None, StepFactory::<S, H>::default(), arguments).await?,
+        };
         Ok(Self {
             consumer_type,
             factory,

@@ -87,13 +87,18 @@ pub fn env_filter() -> Result<EnvFilter, TelemetryError> {
 
 /// Installs the global subscriber: `RUST_LOG` filters, `format` shapes the lines,
 /// stderr receives them (stdout stays free for reports and `--json` output). Spans are
-/// printed when they close, so each message and each step attempt is one line.
+/// printed when they close, so each message and each step attempt is one line. A line
+/// that cannot be written is dropped: logging never fails the work it describes.
 pub fn init_tracing(format: LogFormat) -> Result<(), TelemetryError> {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(env_filter()?)
         .with_span_events(FmtSpan::CLOSE)
         // Colour codes only for a person at a terminal, never into a log file.
         .with_ansi(std::io::stderr().is_terminal())
+        // A log line that cannot be written (stderr closed, full, a pipe whose reader
+        // went away) is dropped. The default reports it with `eprintln!`, which panics
+        // on the same broken stderr — inside whatever actor or task was logging.
+        .log_internal_errors(false)
         .with_writer(std::io::stderr);
     let installed = match format {
         LogFormat::Human => builder.try_init(),

@@ -274,6 +274,7 @@ timeout = "5s"
             30_000,
             "s-1".to_owned()
         )
+        .unwrap()
         .unwrap();
         assert_eq!(
             store.load("s-1").await.unwrap().unwrap().status.as_str(),

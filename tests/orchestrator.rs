@@ -256,7 +256,7 @@ macro_rules! orchestrator_suite {
                 let untouched = store.load("other-1").await.unwrap().unwrap();
                 assert_eq!((untouched.status.as_str(), untouched.version), ("running", 0));
                 // Driving it by id is refused too.
-                ractor::call_t!(orchestrator, OrchestratorMessage::Run, 30_000, "other-1".to_owned()).unwrap();
+                ractor::call_t!(orchestrator, OrchestratorMessage::Run, 30_000, "other-1".to_owned()).unwrap().unwrap();
                 assert_eq!(store.load("other-1").await.unwrap().unwrap().version, 0);
                 assert_eq!(store.load(&mine).await.unwrap().unwrap().status.as_str(), "completed");
                 orchestrator.stop(None);
@@ -274,7 +274,8 @@ macro_rules! orchestrator_suite {
                 <$store as SagaStore>::insert(&mut conn, &old).await.unwrap();
                 drop(conn);
                 ractor::call_t!(orchestrator, OrchestratorMessage::Run, 30_000, "old-1".to_owned())
-                    .expect("the driver ends instead of looping");
+                    .expect("the driver ends instead of looping")
+                    .expect("the driver did not crash");
                 let stuck = store.load("old-1").await.unwrap().unwrap();
                 assert_eq!(stuck.status.as_str(), "compensating");
                 let error = stuck.last_error.unwrap_or_default();

@@ -9,9 +9,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-#[cfg(feature = "rabbitmq")]
-use ractor::Actor;
-
 use super::{Checkout, DemoError};
 use crate::Envelope;
 use crate::envelope::ConsumerType;
@@ -20,6 +17,7 @@ use crate::orchestrator::{Dispatch, InProcess};
 use crate::saga::SagaDefinition;
 use crate::step::{StepFailure, StepHandler, StepPool, StepPoolConfig, StepReply};
 use crate::store::InboxStore;
+use crate::supervisor::Supervision;
 
 #[cfg(feature = "rabbitmq")]
 use crate::amqp::{AmqpConfig, AmqpDispatch, ConsumerHandle, serve_step, serve_step_batched};
@@ -58,6 +56,7 @@ async fn spawn_pools<S>(
     roles: &[ConsumerType],
     handler: &Checkout,
     pool_config: &StepPoolConfig,
+    supervision: &Supervision,
 ) -> Result<Vec<StepPool>, DemoError>
 where
     S: InboxStore,
@@ -65,11 +64,12 @@ where
 {
     let mut pools = Vec::with_capacity(roles.len());
     for role in roles {
-        let pool = StepPool::spawn(
+        let pool = StepPool::spawn_supervised(
             guard.clone(),
             role.clone(),
             handler.clone(),
             pool_config.clone(),
+            supervision,
         )
         .await
         .map_err(|e| DemoError::Actor(e.to_string()))?;
@@ -90,6 +90,7 @@ pub struct Participants {
 impl Participants {
     /// Starts a step pool and a consumer of its queue for every role; with `batch` > 1,
     /// the commands a consumer holds at once are claimed in batches of up to `batch`.
+    #[allow(clippy::too_many_arguments)]
     pub async fn start<S>(
         guard: &InboxGuard<S>,
         definition: &SagaDefinition,
@@ -98,6 +99,7 @@ impl Participants {
         pool_config: &StepPoolConfig,
         amqp: &AmqpConfig,
         batch: usize,
+        supervision: &Supervision,
     ) -> Result<Self, DemoError>
     where
         S: InboxStore,
@@ -107,7 +109,7 @@ impl Participants {
             consumers: Vec::new(),
             pools: Vec::new(),
         };
-        for pool in spawn_pools(guard, roles, handler, pool_config).await? {
+        for pool in spawn_pools(guard, roles, handler, pool_config, supervision).await? {
             let role = pool.consumer_type().clone();
             let pool = Arc::new(pool);
             let (kinds, timeout) = (kinds_of(definition, &role), timeout_of(definition, &role));
@@ -168,6 +170,7 @@ impl DemoDispatch {
         handler: &Checkout,
         pool_config: &StepPoolConfig,
         transport: Option<&super::DemoTransport>,
+        supervision: &Supervision,
     ) -> Result<Self, DemoError>
     where
         S: InboxStore,
@@ -183,7 +186,7 @@ impl DemoDispatch {
         match transport {
             None => {
                 let mut dispatch = InProcess::new();
-                for pool in spawn_pools(guard, &roles, handler, pool_config).await? {
+                for pool in spawn_pools(guard, &roles, handler, pool_config, supervision).await? {
                     dispatch = dispatch.with_pool(pool);
                 }
                 Ok(DemoDispatch::InProcess(dispatch))
@@ -203,6 +206,7 @@ impl DemoDispatch {
                             pool_config,
                             &amqp,
                             1,
+                            supervision,
                         )
                         .await?,
                     )
@@ -355,6 +359,11 @@ where
     let guard = InboxGuard::new(store.clone(), InboxConfig::default()).map_err(InboxError::from)?;
     guard.migrate().await?;
     let handler = Checkout::new(config.fail_rate, config.seed);
+    // Every actor of the process is linked to one supervisor: if one dies, `serve`
+    // ends with its cause rather than go on half-working.
+    let supervision = Supervision::start()
+        .await
+        .map_err(|e| DemoError::Actor(e.to_string()))?;
     let pool_config = StepPoolConfig {
         workers: config.workers.max(1),
         bypass_inbox: false,
@@ -367,6 +376,7 @@ where
         &pool_config,
         &config.amqp,
         config.batch,
+        &supervision,
     )
     .await?;
     let orchestrator = if config.orchestrator {
@@ -377,18 +387,19 @@ where
         )
         .await?;
         let dispatch = Arc::new(dispatch);
-        let (actor, handle) = Actor::spawn(
-            None,
-            Orchestrator::new(),
-            OrchestratorArguments {
-                definition: Arc::clone(&definition),
-                store: store.clone(),
-                dispatch: Arc::clone(&dispatch),
-                stats: Arc::new(DriveStats::default()),
-            },
-        )
-        .await
-        .map_err(|e| DemoError::Actor(e.to_string()))?;
+        let (actor, handle) = supervision
+            .spawn(
+                "orchestrator",
+                Orchestrator::new(),
+                OrchestratorArguments {
+                    definition: Arc::clone(&definition),
+                    store: store.clone(),
+                    dispatch: Arc::clone(&dispatch),
+                    stats: Arc::new(DriveStats::default()),
+                },
+            )
+            .await
+            .map_err(|e| DemoError::Actor(e.to_string()))?;
         Some((actor, handle, dispatch))
     } else {
         None
@@ -412,10 +423,11 @@ where
             tokio::time::sleep(config.resume_interval).await;
         }
     };
-    tokio::select! {
-        _ = shutdown => {}
-        _ = resume => {}
-    }
+    let died = tokio::select! {
+        _ = shutdown => None,
+        _ = resume => None,
+        died = supervision.died() => Some(died),
+    };
     tracing::info!("stopping: finishing the messages in flight");
     if let Some((actor, handle, dispatch)) = orchestrator {
         actor.stop(None);
@@ -423,5 +435,9 @@ where
         dispatch.stop().await;
     }
     participants.stop().await;
-    Ok(())
+    supervision.stop().await;
+    match died {
+        Some(died) => Err(died.into()),
+        None => Ok(()),
+    }
 }
