@@ -39,6 +39,7 @@ use crate::envelope::{ConsumerType, Envelope};
 use crate::metrics;
 use crate::saga::{Direction, SagaDefinition, SagaInstance, SagaStatus, SagaStore};
 use crate::step::{StepFailure, StepOutcome, StepPool, StepReply};
+use crate::supervisor::panic_message;
 
 /// How the orchestrator reaches the steps: in process (a [`StepPool`] per consumer type)
 /// or through a broker.
@@ -576,15 +577,6 @@ fn record_result(data: &mut Value, step: &str, result: Value) {
             steps.insert(step.to_owned(), result);
         }
     }
-}
-
-/// The text of a panic's payload (`panic!` with a string or a format).
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|text| (*text).to_owned())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic with a non-text payload".to_owned())
 }
 
 /// A per-saga seed for backoff jitter: FNV-1a of the id.

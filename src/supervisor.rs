@@ -34,6 +34,15 @@ use ractor::{
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+/// The text of a panic's payload (`panic!` with a string or a format).
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|text| (*text).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic with a non-text payload".to_owned())
+}
+
 /// A linked actor failed or was killed: what it was and why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("the {actor} actor {cause}; the process cannot go on without it")]

@@ -317,6 +317,55 @@ async fn a_retryable_failure_is_requeued_then_dead_lettered_when_it_keeps_failin
     );
 }
 
+/// A handler that panics is a retry, not a delivery left unacked: with a prefetch of
+/// one, a panic that held its delivery would stall the consumer for good.
+#[tokio::test]
+async fn a_handler_that_panics_is_retried_and_the_consumer_goes_on() {
+    let rabbit = Rabbit::new(&["payment"]).await;
+    let mut config = rabbit.config.clone();
+    config.prefetch = 1;
+    let calls = Arc::new(AtomicU32::new(0));
+    let consumer = {
+        let calls = Arc::clone(&calls);
+        Consumer::spawn(
+            config,
+            ConsumerOptions::new(ConsumerType::new("payment").unwrap(), ["charge"]),
+            move |envelope: Envelope| {
+                let calls = Arc::clone(&calls);
+                async move {
+                    if envelope.payload["buggy"] == json!(true) {
+                        let n = calls.fetch_add(1, SeqCst);
+                        if n < 2 {
+                            panic!("handler bug on call {n}");
+                        }
+                    }
+                    Disposition::Done { reply: None }
+                }
+            },
+        )
+        .await
+        .unwrap()
+    };
+    for buggy in [true, false, false] {
+        let (body, properties) = message(
+            MessageId::new_v7().as_str(),
+            "charge",
+            json!({ "buggy": buggy }),
+        );
+        rabbit
+            .publish_raw(&rabbit.queue("payment"), &body, properties)
+            .await;
+    }
+    let stats = Arc::clone(consumer.stats());
+    wait_for("all three acked after two panics", async || {
+        stats.acked.load(SeqCst) == 3
+    })
+    .await;
+    consumer.stop().await;
+    assert_eq!(stats.requeued.load(SeqCst), 2, "each panic was a retry");
+    assert_eq!(stats.dead_lettered.load(SeqCst), 0);
+}
+
 /// Fails every UPDATE of the outbox while `fail_marks` has a row: a relay that
 /// published and then could not mark — what a crash between the two leaves.
 const FAIL_MARKS: &str = "

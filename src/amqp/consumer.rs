@@ -20,11 +20,13 @@
 
 use std::collections::BTreeSet;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use futures_lite::StreamExt;
+use futures_util::FutureExt;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
@@ -35,6 +37,7 @@ use super::broker::{self, Publisher, Routing};
 use super::codec;
 use super::config::{AmqpConfig, AmqpError};
 use crate::envelope::{ConsumerType, Envelope};
+use crate::supervisor::panic_message;
 
 /// The header with a dead-lettered message's reason code.
 pub const DEAD_REASON_HEADER: &str = "x-sagabox-dead-reason";
@@ -369,7 +372,18 @@ impl<H: DeliveryHandler> Work<H> {
             }
             Ok(envelope) => {
                 let id = envelope.id.clone();
-                match self.handler.handle(envelope).await {
+                // A handler that panics must still settle its delivery: left unacked, it
+                // would hold one of the prefetch's slots until the connection closed.
+                let disposition = AssertUnwindSafe(self.handler.handle(envelope))
+                    .catch_unwind()
+                    .await
+                    .unwrap_or_else(|panic| {
+                        Disposition::Retry(format!(
+                            "the handler panicked: {}",
+                            panic_message(panic.as_ref())
+                        ))
+                    });
+                match disposition {
                     Disposition::Done { reply } => self.done(&delivery, &id, reply).await,
                     Disposition::Retry(reason) => self.retry(&delivery, &reason).await,
                     Disposition::Reject(reason) => {
