@@ -19,12 +19,12 @@ use std::time::{Duration, Instant};
 
 use lapin::BasicProperties;
 use lapin::options::{BasicGetOptions, QueueDeleteOptions};
-use ractor::Actor;
 use sagabox::amqp::{
     AmqpConfig, Consumer, ConsumerOptions, DEAD_REASON_HEADER, Disposition, Relay, RelayArguments,
     RelayConfig, RelayMessage, codec,
 };
 use sagabox::outbox::OutboxWriter;
+use sagabox::supervisor::Supervision;
 use sagabox::{
     ConsumerType, Envelope, GuardError, InboxConfig, InboxGuard, MessageId, Outcome, SqliteStore,
 };
@@ -102,17 +102,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?
     };
 
-    // The relay: publishes the outbox with confirms, marks rows sent after.
-    let (relay, relay_handle) = Actor::spawn(
-        None,
-        Relay::new(),
-        RelayArguments {
-            source: pool.clone(),
-            amqp: config.clone(),
-            config: RelayConfig::default(),
-        },
-    )
-    .await?;
+    // The relay: publishes the outbox with confirms, marks rows sent after. Linked to a
+    // supervisor, so that its death would reach this code instead of going unnoticed.
+    let supervision = Supervision::start().await?;
+    let (relay, _) = supervision
+        .spawn(
+            "relay",
+            Relay::new(),
+            RelayArguments {
+                source: pool.clone(),
+                amqp: config.clone(),
+                config: RelayConfig::default(),
+            },
+        )
+        .await?;
 
     // A producer publishes the same charge three times, and one message with no id.
     let connection = lapin::Connection::connect(&amqp_url, Default::default()).await?;
@@ -153,9 +156,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    supervision.check()?;
     let relayed = ractor::call!(relay, RelayMessage::Flush)?;
-    relay.stop(None);
-    relay_handle.await?;
+    supervision.stop().await;
     consumer.stop().await;
 
     let charges: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM payment_charges")
