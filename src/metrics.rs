@@ -210,6 +210,9 @@ impl CompensationTrigger {
     }
 }
 
+/// Both directions of a step command.
+const DIRECTION_VALUES: [Direction; 2] = [Direction::Forward, Direction::Backward];
+
 const fn direction_str(direction: Direction) -> &'static str {
     match direction {
         Direction::Forward => "forward",
@@ -220,38 +223,36 @@ const fn direction_str(direction: Direction) -> &'static str {
 /// The `status` values of [`SAGA_DURATION_SECONDS`]: the terminal ones.
 const FINISHED: [SagaStatus; 2] = [SagaStatus::Completed, SagaStatus::Compensated];
 
-/// The labels of each closed set, as text, from the types the code emits.
+/// The values of each closed label, as text, from the lists of the types the code emits
+/// (each list as long as its type's `ALL`, so a value added there shows up here).
 mod values {
     use super::*;
 
-    pub(super) const MESSAGE_OUTCOMES: [&str; 3] = {
-        let all = MessageOutcome::ALL;
-        [all[0].as_str(), all[1].as_str(), all[2].as_str()]
-    };
-    pub(super) const STEP_ATTEMPTS: [&str; 3] = {
-        let all = StepAttempt::ALL;
-        [all[0].as_str(), all[1].as_str(), all[2].as_str()]
-    };
-    pub(super) const DIRECTIONS: [&str; 2] = [
-        direction_str(Direction::Forward),
-        direction_str(Direction::Backward),
-    ];
-    pub(super) const TRIGGERS: [&str; 3] = {
-        let all = CompensationTrigger::ALL;
-        [all[0].as_str(), all[1].as_str(), all[2].as_str()]
-    };
-    pub(super) const STATUSES: [&str; 2] = [FINISHED[0].as_str(), FINISHED[1].as_str()];
-    pub(super) const DEAD_REASONS: [&str; 6] = {
-        let all = DeadReason::ALL;
-        [
-            all[0].as_str(),
-            all[1].as_str(),
-            all[2].as_str(),
-            all[3].as_str(),
-            all[4].as_str(),
-            all[5].as_str(),
-        ]
-    };
+    /// Fills `[&str; N]` from `$all` through `$name`; a loop because `const` cannot map.
+    macro_rules! names {
+        ($all:expr, $name:expr) => {{
+            let all = $all;
+            let mut names = [""; $all.len()];
+            let mut i = 0;
+            while i < all.len() {
+                names[i] = $name(all[i]);
+                i += 1;
+            }
+            names
+        }};
+    }
+
+    pub(super) const MESSAGE_OUTCOMES: [&str; MessageOutcome::ALL.len()] =
+        names!(MessageOutcome::ALL, MessageOutcome::as_str);
+    pub(super) const STEP_ATTEMPTS: [&str; StepAttempt::ALL.len()] =
+        names!(StepAttempt::ALL, StepAttempt::as_str);
+    pub(super) const DIRECTIONS: [&str; DIRECTION_VALUES.len()] =
+        names!(DIRECTION_VALUES, direction_str);
+    pub(super) const TRIGGERS: [&str; CompensationTrigger::ALL.len()] =
+        names!(CompensationTrigger::ALL, CompensationTrigger::as_str);
+    pub(super) const STATUSES: [&str; FINISHED.len()] = names!(FINISHED, SagaStatus::as_str);
+    pub(super) const DEAD_REASONS: [&str; DeadReason::ALL.len()] =
+        names!(DeadReason::ALL, DeadReason::as_str);
 }
 
 /// What kind of instrument a metric is.
