@@ -282,8 +282,11 @@ pub struct DemoSummary {
     pub unfinished: i64,
     /// Step commands sent by the orchestrator, retries included.
     pub deliveries: u64,
-    /// Replies that said the step had already applied the command.
-    pub duplicates_skipped: u64,
+    /// Replies the orchestrator received that said the step had already applied the
+    /// command. Fewer than the duplicate deliveries `inspect` counts on the inbox rows:
+    /// the answer to an injected second copy and an answer lost on the way are not
+    /// received.
+    pub duplicate_replies: u64,
     /// Commands sent again after a timeout, a lost reply or a failure.
     pub retries: u64,
     /// Orders charged more than once (SQL over `payment_charges`).
@@ -335,7 +338,7 @@ impl fmt::Display for DemoSummary {
             ("compensated", self.compensated.to_string()),
             ("unfinished", self.unfinished.to_string()),
             ("deliveries", self.deliveries.to_string()),
-            ("duplicates skipped", self.duplicates_skipped.to_string()),
+            ("duplicate replies", self.duplicate_replies.to_string()),
             ("retries", self.retries.to_string()),
             ("double charges", self.double_charges.to_string()),
             ("double refunds", self.double_refunds.to_string()),
@@ -911,7 +914,7 @@ macro_rules! backend_run {
                 compensated: figure("compensated"),
                 unfinished: figure("unfinished"),
                 deliveries: stats.deliveries.load(Relaxed),
-                duplicates_skipped: stats.duplicates.load(Relaxed),
+                duplicate_replies: stats.duplicates.load(Relaxed),
                 retries: stats.retries.load(Relaxed),
                 double_charges: figure("double_charges"),
                 double_refunds: figure("double_refunds"),

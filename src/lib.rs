@@ -76,7 +76,7 @@
 //! - [`supervisor`]: [`Supervision`](supervisor::Supervision) — the process's actors linked
 //!   to one supervisor, so that a death ends the run with its cause instead of a hang.
 //! - [`inspect`]: what `sagabox inspect` reports — partitions, the inbox's reach against
-//!   the TTL and the broker, duplicates suppressed, sagas, the outbox — read by SQL.
+//!   the TTL and the broker, duplicate deliveries absorbed, sagas, the outbox — read by SQL.
 //! - [`metrics`]: the metric catalogue ([`CATALOGUE`](metrics::CATALOGUE)) and the
 //!   Prometheus endpoint ([`install_prometheus`](metrics::install_prometheus)).
 //! - [`telemetry`]: logs and spans — [`init_tracing`](telemetry::init_tracing), human or JSON.

@@ -6,7 +6,7 @@
 //! | name | kind | labels | what |
 //! | --- | --- | --- | --- |
 //! | `sagabox_inbox_messages_total` | counter | `consumer_type`, `outcome` = `applied` \| `duplicate` \| `failed` | messages through the guard |
-//! | `sagabox_inbox_claim_seconds` | histogram | — | time to begin the transaction and claim the key, waiting for a racing delivery included |
+//! | `sagabox_inbox_claim_seconds` | histogram | `consumer_type` | time to begin the transaction and claim the key, waiting for a racing delivery included |
 //! | `sagabox_inbox_partitions_created_on_demand_total` | counter | — | months created by a claim that found its partition missing |
 //! | `sagabox_pruner_partitions_created_total` | counter | — | months created ahead by the pruner |
 //! | `sagabox_pruner_partitions_dropped_total` | counter | — | expired months dropped by the pruner |
@@ -20,13 +20,21 @@
 //! | `sagabox_outbox_published_total` | counter | `destination` | outbox rows published and confirmed by the broker |
 //! | `sagabox_outbox_pending` | gauge | — | outbox rows not yet published |
 //! | `sagabox_outbox_lag_seconds` | histogram | — | outbox row committed → broker confirm |
-//! | `sagabox_dead_letters_total` | counter | `consumer_type`, `reason` | messages dead-lettered instead of processed |
+//! | `sagabox_dead_letters_total` | counter | `consumer_type`, `reason` = one of [`DeadReason::ALL`] | messages dead-lettered instead of processed |
+//! | `sagabox_build_info` | gauge | `version` | always 1; the crate version of the process |
+//!
+//! The closed label values (`outcome`, `direction`, `trigger`, `status`, `reason`) are
+//! typed here ([`DeadReason`] and crate-private enums), so the code can emit no value
+//! the catalogue does not list; [`MetricSpec::values`] lists them.
 //!
 //! `docs/operations.md` explains each one and what to do when it moves.
 
+use std::fmt;
 use std::time::Duration;
 
 use crate::envelope::ConsumerType;
+use crate::inbox::Outcome;
+use crate::saga::{Direction, SagaStatus};
 
 #[cfg(feature = "prometheus")]
 mod prometheus;
@@ -67,6 +75,185 @@ pub const OUTBOX_PENDING: &str = "sagabox_outbox_pending";
 pub const OUTBOX_LAG_SECONDS: &str = "sagabox_outbox_lag_seconds";
 /// Messages dead-lettered, by consumer type and reason.
 pub const DEAD_LETTERS_TOTAL: &str = "sagabox_dead_letters_total";
+/// Always 1, with the crate version as the `version` label.
+pub const BUILD_INFO: &str = "sagabox_build_info";
+
+/// Why a message was dead-lettered: the `reason` label of [`DEAD_LETTERS_TOTAL`] and the
+/// value of the RabbitMQ transport's `x-sagabox-dead-reason` header. [`DeadReason::ALL`]
+/// is the complete list, and the only values either carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DeadReason {
+    /// The delivery had no message id, so the inbox had nothing stable to deduplicate on.
+    MissingMessageId,
+    /// The message id was empty, too long or held control characters.
+    InvalidMessageId,
+    /// The body was not the JSON envelope (`kind`, `saga_id`, `payload`).
+    NotAnEnvelope,
+    /// The message kind is not one the consumer takes.
+    UnknownKind,
+    /// The handler refused it for good: for a guarded step, the inbox refused it
+    /// (older than the TTL, filed under a pruned month, published too far ahead).
+    Rejected,
+    /// It failed with a retryable error on every allowed attempt.
+    RetriesExhausted,
+}
+
+impl DeadReason {
+    /// Every reason, in the order the operations guide lists them.
+    pub const ALL: [DeadReason; 6] = [
+        DeadReason::MissingMessageId,
+        DeadReason::InvalidMessageId,
+        DeadReason::NotAnEnvelope,
+        DeadReason::UnknownKind,
+        DeadReason::Rejected,
+        DeadReason::RetriesExhausted,
+    ];
+
+    /// The short, stable code written to the header and the metric label.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            DeadReason::MissingMessageId => "missing_message_id",
+            DeadReason::InvalidMessageId => "invalid_message_id",
+            DeadReason::NotAnEnvelope => "not_an_envelope",
+            DeadReason::UnknownKind => "unknown_kind",
+            DeadReason::Rejected => "rejected",
+            DeadReason::RetriesExhausted => "retries_exhausted",
+        }
+    }
+}
+
+impl fmt::Display for DeadReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The `outcome` of a message through the guard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MessageOutcome {
+    Applied,
+    Duplicate,
+    Failed,
+}
+
+impl MessageOutcome {
+    const ALL: [MessageOutcome; 3] = [
+        MessageOutcome::Applied,
+        MessageOutcome::Duplicate,
+        MessageOutcome::Failed,
+    ];
+
+    pub(crate) const fn of(outcome: &Outcome) -> Self {
+        match outcome {
+            Outcome::Applied(_) => MessageOutcome::Applied,
+            Outcome::Duplicate { .. } => MessageOutcome::Duplicate,
+        }
+    }
+
+    pub(crate) const fn as_str(self) -> &'static str {
+        match self {
+            MessageOutcome::Applied => "applied",
+            MessageOutcome::Duplicate => "duplicate",
+            MessageOutcome::Failed => "failed",
+        }
+    }
+}
+
+/// How one step command attempt ended: the `outcome` of [`SAGA_STEPS_TOTAL`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StepAttempt {
+    /// The step answered done.
+    Done,
+    /// The step answered that it refuses the command for good.
+    Refused,
+    /// No answer: a timeout, a lost reply, a retryable error or a rejection.
+    Failed,
+}
+
+impl StepAttempt {
+    const ALL: [StepAttempt; 3] = [StepAttempt::Done, StepAttempt::Refused, StepAttempt::Failed];
+
+    pub(crate) const fn as_str(self) -> &'static str {
+        match self {
+            StepAttempt::Done => "done",
+            StepAttempt::Refused => "refused",
+            StepAttempt::Failed => "failed",
+        }
+    }
+}
+
+/// Why a saga turned to compensating: the `trigger` of [`SAGA_COMPENSATIONS_TOTAL`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CompensationTrigger {
+    /// A step said no.
+    Refused,
+    /// A step ran out of attempts.
+    Exhausted,
+    /// The inbox refused the command.
+    Rejected,
+}
+
+impl CompensationTrigger {
+    const ALL: [CompensationTrigger; 3] = [
+        CompensationTrigger::Refused,
+        CompensationTrigger::Exhausted,
+        CompensationTrigger::Rejected,
+    ];
+
+    const fn as_str(self) -> &'static str {
+        match self {
+            CompensationTrigger::Refused => "refused",
+            CompensationTrigger::Exhausted => "exhausted",
+            CompensationTrigger::Rejected => "rejected",
+        }
+    }
+}
+
+/// Both directions of a step command.
+const DIRECTION_VALUES: [Direction; 2] = [Direction::Forward, Direction::Backward];
+
+const fn direction_str(direction: Direction) -> &'static str {
+    match direction {
+        Direction::Forward => "forward",
+        Direction::Backward => "backward",
+    }
+}
+
+/// The `status` values of [`SAGA_DURATION_SECONDS`]: the terminal ones.
+const FINISHED: [SagaStatus; 2] = [SagaStatus::Completed, SagaStatus::Compensated];
+
+/// The values of each closed label, as text, from the lists of the types the code emits
+/// (each list as long as its type's `ALL`, so a value added there shows up here).
+mod values {
+    use super::*;
+
+    /// Fills `[&str; N]` from `$all` through `$name`; a loop because `const` cannot map.
+    macro_rules! names {
+        ($all:expr, $name:expr) => {{
+            let all = $all;
+            let mut names = [""; $all.len()];
+            let mut i = 0;
+            while i < all.len() {
+                names[i] = $name(all[i]);
+                i += 1;
+            }
+            names
+        }};
+    }
+
+    pub(super) const MESSAGE_OUTCOMES: [&str; MessageOutcome::ALL.len()] =
+        names!(MessageOutcome::ALL, MessageOutcome::as_str);
+    pub(super) const STEP_ATTEMPTS: [&str; StepAttempt::ALL.len()] =
+        names!(StepAttempt::ALL, StepAttempt::as_str);
+    pub(super) const DIRECTIONS: [&str; DIRECTION_VALUES.len()] =
+        names!(DIRECTION_VALUES, direction_str);
+    pub(super) const TRIGGERS: [&str; CompensationTrigger::ALL.len()] =
+        names!(CompensationTrigger::ALL, CompensationTrigger::as_str);
+    pub(super) const STATUSES: [&str; FINISHED.len()] = names!(FINISHED, SagaStatus::as_str);
+    pub(super) const DEAD_REASONS: [&str; DeadReason::ALL.len()] =
+        names!(DeadReason::ALL, DeadReason::as_str);
+}
 
 /// What kind of instrument a metric is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,8 +267,18 @@ pub enum MetricKind {
     Histogram,
 }
 
+/// The values a label of closed set takes, all of them.
+#[derive(Debug, Clone, Copy)]
+pub struct LabelValues {
+    /// The label's name.
+    pub label: &'static str,
+    /// Every value the code emits for it.
+    pub values: &'static [&'static str],
+}
+
 /// One entry of the [`CATALOGUE`].
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct MetricSpec {
     /// The metric's name, as exported.
     pub name: &'static str,
@@ -91,107 +288,157 @@ pub struct MetricSpec {
     pub labels: &'static [&'static str],
     /// One line on what it counts or measures.
     pub help: &'static str,
+    /// The labels of a closed set with every value they take; labels not listed here
+    /// carry names (a consumer type, a saga, a step, a destination).
+    pub values: &'static [LabelValues],
 }
 
+const NO_VALUES: &[LabelValues] = &[];
+const DIRECTION: LabelValues = LabelValues {
+    label: "direction",
+    values: &values::DIRECTIONS,
+};
+
 /// Every metric sagabox emits (or, for the outbox relay and dead-lettering, defines for
-/// its transports to emit), with its labels. The exporter describes all of them and
-/// registers each at zero when installed, so a scrape lists every name from the start.
+/// its transports to emit), with its labels and the values of its closed labels. The
+/// exporter describes all of them when installed (see [`register_catalogue`]).
 pub const CATALOGUE: &[MetricSpec] = &[
     MetricSpec {
         name: INBOX_MESSAGES_TOTAL,
         kind: MetricKind::Counter,
         labels: &["consumer_type", "outcome"],
         help: "Messages through the inbox guard, by outcome (applied, duplicate, failed).",
+        values: &[LabelValues {
+            label: "outcome",
+            values: &values::MESSAGE_OUTCOMES,
+        }],
     },
     MetricSpec {
         name: INBOX_CLAIM_SECONDS,
         kind: MetricKind::Histogram,
-        labels: &[],
+        labels: &["consumer_type"],
         help: "Seconds to begin the transaction and claim the key, waiting for a racing delivery included.",
+        values: NO_VALUES,
     },
     MetricSpec {
         name: INBOX_PARTITIONS_CREATED_ON_DEMAND_TOTAL,
         kind: MetricKind::Counter,
         labels: &[],
         help: "Inbox months created by a claim that found its partition missing.",
+        values: NO_VALUES,
     },
     MetricSpec {
         name: PRUNER_PARTITIONS_CREATED_TOTAL,
         kind: MetricKind::Counter,
         labels: &[],
         help: "Inbox months created ahead by the pruner.",
+        values: NO_VALUES,
     },
     MetricSpec {
         name: PRUNER_PARTITIONS_DROPPED_TOTAL,
         kind: MetricKind::Counter,
         labels: &[],
         help: "Expired inbox months dropped by the pruner.",
+        values: NO_VALUES,
     },
     MetricSpec {
         name: PRUNER_FAILURES_TOTAL,
         kind: MetricKind::Counter,
         labels: &[],
         help: "Pruner passes that failed (retried at the next tick).",
+        values: NO_VALUES,
     },
     MetricSpec {
         name: INBOX_OLDEST_PARTITION_AGE_SECONDS,
         kind: MetricKind::Gauge,
         labels: &[],
         help: "Age in seconds of the oldest inbox partition's first instant, after the last pruner pass.",
+        values: NO_VALUES,
     },
     MetricSpec {
         name: SAGA_STEPS_TOTAL,
         kind: MetricKind::Counter,
         labels: &["saga", "step", "direction", "outcome"],
         help: "Saga step command attempts, by direction (forward, backward) and outcome (done, refused, failed).",
+        values: &[
+            DIRECTION,
+            LabelValues {
+                label: "outcome",
+                values: &values::STEP_ATTEMPTS,
+            },
+        ],
     },
     MetricSpec {
         name: SAGA_STEP_SECONDS,
         kind: MetricKind::Histogram,
         labels: &["saga", "step", "direction"],
         help: "Seconds of one saga step command attempt, send to reply or failure.",
+        values: &[DIRECTION],
     },
     MetricSpec {
         name: SAGA_RETRIES_TOTAL,
         kind: MetricKind::Counter,
         labels: &["saga", "step", "direction"],
         help: "Saga step command attempts after the first (timeouts, lost replies, retryable failures).",
+        values: &[DIRECTION],
     },
     MetricSpec {
         name: SAGA_COMPENSATIONS_TOTAL,
         kind: MetricKind::Counter,
         labels: &["saga", "trigger"],
         help: "Sagas that turned to compensating, by trigger (refused, exhausted, rejected).",
+        values: &[LabelValues {
+            label: "trigger",
+            values: &values::TRIGGERS,
+        }],
     },
     MetricSpec {
         name: SAGA_DURATION_SECONDS,
         kind: MetricKind::Histogram,
         labels: &["saga", "status"],
         help: "Seconds from a saga's creation to its terminal state (completed, compensated).",
+        values: &[LabelValues {
+            label: "status",
+            values: &values::STATUSES,
+        }],
     },
     MetricSpec {
         name: OUTBOX_PUBLISHED_TOTAL,
         kind: MetricKind::Counter,
         labels: &["destination"],
         help: "Outbox rows published and confirmed by the broker.",
+        values: NO_VALUES,
     },
     MetricSpec {
         name: OUTBOX_PENDING,
         kind: MetricKind::Gauge,
         labels: &[],
         help: "Outbox rows not yet published.",
+        values: NO_VALUES,
     },
     MetricSpec {
         name: OUTBOX_LAG_SECONDS,
         kind: MetricKind::Histogram,
         labels: &[],
         help: "Seconds from an outbox row's commit to the broker's publish confirm.",
+        values: NO_VALUES,
     },
     MetricSpec {
         name: DEAD_LETTERS_TOTAL,
         kind: MetricKind::Counter,
         labels: &["consumer_type", "reason"],
         help: "Messages dead-lettered instead of processed, by reason.",
+        values: &[LabelValues {
+            label: "reason",
+            values: &values::DEAD_REASONS,
+        }],
+    },
+    MetricSpec {
+        name: BUILD_INFO,
+        kind: MetricKind::Gauge,
+        labels: &["version"],
+        help: "Always 1; the sagabox crate version of this process as the version label.",
+        values: NO_VALUES,
     },
 ];
 
@@ -206,17 +453,18 @@ pub const LONG_BUCKETS: &[f64] = &[
     0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
 ];
 
-pub(crate) fn inbox_message(consumer_type: &ConsumerType, outcome: &'static str) {
+pub(crate) fn inbox_message(consumer_type: &ConsumerType, outcome: MessageOutcome) {
     metrics::counter!(
         INBOX_MESSAGES_TOTAL,
         "consumer_type" => consumer_type.as_str().to_owned(),
-        "outcome" => outcome
+        "outcome" => outcome.as_str()
     )
     .increment(1);
 }
 
-pub(crate) fn claim_duration(elapsed: Duration) {
-    metrics::histogram!(INBOX_CLAIM_SECONDS).record(elapsed.as_secs_f64());
+pub(crate) fn claim_duration(consumer_type: &ConsumerType, elapsed: Duration) {
+    metrics::histogram!(INBOX_CLAIM_SECONDS, "consumer_type" => consumer_type.as_str().to_owned())
+        .record(elapsed.as_secs_f64());
 }
 
 pub(crate) fn partition_created_on_demand() {
@@ -236,15 +484,16 @@ pub(crate) fn pruner_failure() {
     metrics::counter!(PRUNER_FAILURES_TOTAL).increment(1);
 }
 
-/// One step command attempt ended: `outcome` is `done`, `refused` or `failed`.
+/// One step command attempt ended.
 pub(crate) fn saga_step(
     saga: &str,
     step: &str,
-    direction: &'static str,
-    outcome: &'static str,
+    direction: Direction,
+    outcome: StepAttempt,
     elapsed: Duration,
     retry: bool,
 ) {
+    let direction = direction_str(direction);
     let labels = [
         ("saga", saga.to_owned()),
         ("step", step.to_owned()),
@@ -259,22 +508,24 @@ pub(crate) fn saga_step(
         "saga" => saga.to_owned(),
         "step" => step.to_owned(),
         "direction" => direction,
-        "outcome" => outcome
+        "outcome" => outcome.as_str()
     )
     .increment(1);
 }
 
-/// A saga turned to compensating: `trigger` is `refused` (a step said no),
-/// `exhausted` (out of attempts) or `rejected` (the inbox refused the command).
-pub(crate) fn saga_compensation(saga: &str, trigger: &'static str) {
-    metrics::counter!(SAGA_COMPENSATIONS_TOTAL, "saga" => saga.to_owned(), "trigger" => trigger)
+/// A saga turned to compensating.
+pub(crate) fn saga_compensation(saga: &str, trigger: CompensationTrigger) {
+    metrics::counter!(SAGA_COMPENSATIONS_TOTAL, "saga" => saga.to_owned(), "trigger" => trigger.as_str())
         .increment(1);
 }
 
-/// A saga reached its terminal `status` after `elapsed` since its creation.
-pub(crate) fn saga_finished(saga: &str, status: &'static str, elapsed: Duration) {
-    metrics::histogram!(SAGA_DURATION_SECONDS, "saga" => saga.to_owned(), "status" => status)
-        .record(elapsed.as_secs_f64());
+/// A saga reached `status` after `elapsed` since its creation; a status that is not
+/// terminal records nothing.
+pub(crate) fn saga_finished(saga: &str, status: SagaStatus, elapsed: Duration) {
+    if FINISHED.contains(&status) {
+        metrics::histogram!(SAGA_DURATION_SECONDS, "saga" => saga.to_owned(), "status" => status.as_str())
+            .record(elapsed.as_secs_f64());
+    }
 }
 
 /// Records that the relay published an outbox row to `destination` and the broker
@@ -290,41 +541,48 @@ pub fn outbox_pending(rows: u64) {
     metrics::gauge!(OUTBOX_PENDING).set(rows as f64);
 }
 
-/// Records a message dead-lettered by a `consumer_type` for `reason` (a short fixed
-/// word such as `malformed`, `expired`, `pruned`, `future`, `unknown_kind`, `poison`:
-/// never the message text, which would make a series per message).
-pub fn dead_lettered(consumer_type: &str, reason: &'static str) {
+/// Records a message dead-lettered by a `consumer_type` for `reason` (a fixed code, never
+/// the message text, which would make a series per message).
+pub fn dead_lettered(consumer_type: &str, reason: DeadReason) {
     metrics::counter!(
         DEAD_LETTERS_TOTAL,
         "consumer_type" => consumer_type.to_owned(),
-        "reason" => reason
+        "reason" => reason.as_str()
     )
     .increment(1);
 }
 
-/// Describes every catalogued metric to the installed recorder and registers each one,
-/// without labels, at zero: a scrape then lists every name, including those this
-/// process has not emitted yet (an in-process demo never dead-letters or publishes from
-/// an outbox), so dashboards and alert rules resolve from the first scrape. The
-/// label-less zero series adds nothing to a `sum`.
+/// Describes every catalogued metric to the installed recorder, registers at zero the
+/// ones without labels (so a scrape lists them before they move: a pruner that never
+/// ran, an outbox never used), and sets [`BUILD_INFO`] to 1 with this crate's version.
+/// A labelled family gets no series until the code emits one: a series without its
+/// labels would be a phantom that queries grouping by label would show as an empty
+/// group.
 pub fn register_catalogue() {
     for spec in CATALOGUE {
         match spec.kind {
-            MetricKind::Counter => {
-                metrics::describe_counter!(spec.name, spec.help);
-                metrics::counter!(spec.name).increment(0);
-            }
-            MetricKind::Gauge => {
-                metrics::describe_gauge!(spec.name, spec.help);
-                metrics::gauge!(spec.name).increment(0.0);
-            }
+            MetricKind::Counter => metrics::describe_counter!(spec.name, spec.help),
+            MetricKind::Gauge => metrics::describe_gauge!(spec.name, spec.help),
             MetricKind::Histogram => {
                 metrics::describe_histogram!(spec.name, metrics::Unit::Seconds, spec.help);
-                // Registering the handle creates the series with no observations.
-                let _ = metrics::histogram!(spec.name);
             }
         }
+        if !spec.labels.is_empty() {
+            continue;
+        }
+        match spec.kind {
+            MetricKind::Counter => metrics::counter!(spec.name).increment(0),
+            MetricKind::Gauge => metrics::gauge!(spec.name).increment(0.0),
+            // Registering the handle creates the series with no observations.
+            MetricKind::Histogram => drop(metrics::histogram!(spec.name)),
+        }
     }
+    build_info();
+}
+
+/// Sets [`BUILD_INFO`] to 1 with `version` = this crate's version.
+pub fn build_info() {
+    metrics::gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
 }
 
 #[cfg(test)]

@@ -36,7 +36,7 @@ use serde_json::{Value, json};
 use tracing::Instrument;
 
 use crate::envelope::{ConsumerType, Envelope};
-use crate::metrics;
+use crate::metrics::{self, CompensationTrigger, StepAttempt};
 use crate::saga::{Direction, SagaDefinition, SagaInstance, SagaStatus, SagaStore};
 use crate::step::{StepFailure, StepOutcome, StepPool, StepReply};
 use crate::supervisor::panic_message;
@@ -421,20 +421,20 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                 Ok(StepReply {
                     outcome: StepOutcome::Done(_),
                     ..
-                }) => "done",
+                }) => StepAttempt::Done,
                 Ok(StepReply {
                     outcome: StepOutcome::Refused(_),
                     ..
-                }) => "refused",
-                Err(_) => "failed",
+                }) => StepAttempt::Refused,
+                Err(_) => StepAttempt::Failed,
             };
-            span.record("outcome", outcome);
+            span.record("outcome", outcome.as_str());
             // Closing the span here prints the attempt as one line, outcome included.
             drop(span);
             metrics::saga_step(
                 self.definition.name(),
                 step.name(),
-                direction_label,
+                direction,
                 outcome,
                 attempt_started.elapsed(),
                 saga.attempts > 1,
@@ -451,7 +451,10 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                         }
                         (Direction::Forward, StepOutcome::Refused(reason)) => {
                             // Refused for good: nothing applied here; undo the ones before.
-                            metrics::saga_compensation(self.definition.name(), "refused");
+                            metrics::saga_compensation(
+                                self.definition.name(),
+                                CompensationTrigger::Refused,
+                            );
                             saga.status = SagaStatus::Compensating;
                             saga.current_step -= 1;
                             saga.last_error = Some(format!("{} refused: {reason}", step.name()));
@@ -482,7 +485,11 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                     if rejected || !step.retry().allows(attempts.saturating_add(1)) {
                         // Out of attempts: it may have applied with its reply lost, so it
                         // is compensated too (compensations are idempotent per message id).
-                        let trigger = if rejected { "rejected" } else { "exhausted" };
+                        let trigger = if rejected {
+                            CompensationTrigger::Rejected
+                        } else {
+                            CompensationTrigger::Exhausted
+                        };
                         metrics::saga_compensation(self.definition.name(), trigger);
                         saga.status = SagaStatus::Compensating;
                         saga.attempts = 0;
@@ -520,7 +527,7 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
     /// Records a saga that reached its terminal state (saved).
     fn finished(&self, saga: &SagaInstance) {
         let elapsed = (Utc::now() - saga.created_at).to_std().unwrap_or_default();
-        metrics::saga_finished(self.definition.name(), saga.status.as_str(), elapsed);
+        metrics::saga_finished(self.definition.name(), saga.status, elapsed);
     }
 
     async fn load(&self, id: &str) -> Option<SagaInstance> {

@@ -163,7 +163,7 @@ macro_rules! batch_suite {
                 // single duplicates are (m1 in the first batch, all three in the second,
                 // per round); `sagabox inspect` reads them there.
                 let report = sagabox::inspect::inspect(&fx.url, &Default::default()).await.unwrap();
-                let counted: i64 = report.duplicates.iter().map(|d| d.in_inbox).sum();
+                let counted: i64 = report.duplicate_deliveries.iter().map(|d| d.in_inbox).sum();
                 assert_eq!(counted, 4 * 3);
             }
 

@@ -152,11 +152,72 @@ fn bench_refuses_bad_arguments() {
         "{stderr}"
     );
     let output = sagabox(&["bench", "--database-url", "sqlite:x.db", "--modes", "turbo"]);
-    assert!(String::from_utf8_lossy(&output.stderr).contains("unknown mode \"turbo\""));
+    assert_eq!(output.status.code(), Some(2), "a usage error");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("invalid value 'turbo' for '--modes"));
     let output = sagabox(&["bench", "--database-url", "sqlite:x.db", "--batch", "0"]);
     assert!(String::from_utf8_lossy(&output.stderr).contains("--batch must be within 1..=10000"));
     let output = sagabox(&["bench", "--database-url", "sqlite:x.db", "--prefill", "10"]);
     assert!(String::from_utf8_lossy(&output.stderr).contains("run on PostgreSQL only"));
+}
+
+/// The mode names in `bench --help` (clap's `Possible values:` list, or its inline
+/// `[possible values: …]` form).
+fn modes_in_help(help: &str) -> Vec<String> {
+    let section = help
+        .split("--modes <MODES>")
+        .nth(1)
+        .expect("--modes in the help");
+    let section = section.split("\n      --").next().unwrap_or(section);
+    if let Some(inline) = section.split("[possible values: ").nth(1) {
+        return inline
+            .split(']')
+            .next()
+            .unwrap()
+            .split(", ")
+            .map(str::to_owned)
+            .collect();
+    }
+    let list = section
+        .split("Possible values:")
+        .nth(1)
+        .expect("possible values under --modes");
+    list.lines()
+        .filter_map(|line| line.trim().strip_prefix("- "))
+        .map(|item| item.split(':').next().unwrap().trim().to_owned())
+        .collect()
+}
+
+/// `bench --help` and the error for an unknown mode name the same modes, and those are
+/// the modes a full run reports (`check_bench_json`).
+#[test]
+fn bench_help_and_the_unknown_mode_error_list_the_same_modes() {
+    let help = stdout(&sagabox(&["bench", "--help"]));
+    let in_help = modes_in_help(&help);
+
+    let output = sagabox(&["bench", "--database-url", "sqlite:x.db", "--modes", "foo"]);
+    assert_eq!(output.status.code(), Some(2), "a usage error");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let in_error: Vec<String> = stderr
+        .split("[possible values: ")
+        .nth(1)
+        .and_then(|rest| rest.split(']').next())
+        .unwrap_or_else(|| panic!("no possible values in {stderr}"))
+        .split(", ")
+        .map(str::to_owned)
+        .collect();
+
+    assert_eq!(in_help, in_error, "help:\n{help}\nerror:\n{stderr}");
+    assert_eq!(
+        in_help,
+        [
+            "raw_sql",
+            "guard",
+            "actor",
+            "batched",
+            "batched_set",
+            "no_inbox"
+        ]
+    );
 }
 
 /// `demo --clock-speed`: out-of-range speeds and a fast clock with `--resume` are refused

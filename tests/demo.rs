@@ -47,7 +47,7 @@ macro_rules! demo_suite {
                 assert_eq!(summary.completed + summary.compensated, 2000);
                 assert!(summary.compensated > 100, "declines and stock-outs compensate: {summary:?}");
                 assert_eq!(summary.damage(), 0, "{summary:?}");
-                assert!(summary.retries > 0 && summary.duplicates_skipped > 0, "{summary:?}");
+                assert!(summary.retries > 0 && summary.duplicate_replies > 0, "{summary:?}");
                 assert_invariants(&fx).await;
             }
 

@@ -129,7 +129,7 @@ async fn participants_in_separate_processes_keep_every_invariant() {
     assert_eq!(summary.unfinished, 0, "{summary:?}");
     assert_eq!(summary.damage(), 0, "{summary:?}");
     assert!(
-        summary.retries > 0 && summary.duplicates_skipped > 0,
+        summary.retries > 0 && summary.duplicate_replies > 0,
         "{summary:?}"
     );
     assert!(

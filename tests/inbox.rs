@@ -776,6 +776,8 @@ macro_rules! inbox_suite {
                             counts.insert(label("outcome").unwrap(), n);
                         }
                         ("sagabox_inbox_claim_seconds", DebugValue::Histogram(samples)) => {
+                            let labels: Vec<_> = key.labels().map(|l| (l.key().to_owned(), l.value().to_owned())).collect();
+                            assert_eq!(labels, [("consumer_type".to_owned(), "payment".to_owned())]);
                             claim_samples = samples.len();
                         }
                         _ => {}

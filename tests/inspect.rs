@@ -85,14 +85,14 @@ macro_rules! inspect_suite {
                     .await
                     .unwrap();
                 let reported: Vec<(String, i64)> = report
-                    .duplicates
+                    .duplicate_deliveries
                     .iter()
                     .map(|d| (d.consumer_type.clone(), d.in_inbox))
                     .collect();
                 assert_eq!(reported, by_sql);
                 let types: Vec<&str> = reported.iter().map(|(t, _)| t.as_str()).collect();
                 assert_eq!(types, ["email", "inventory", "payment"]);
-                for d in &report.duplicates {
+                for d in &report.duplicate_deliveries {
                     assert!(d.in_inbox > 0, "{d:?}");
                     // All of them happened in the last minutes.
                     assert_eq!((d.last_hour, d.last_day), (d.in_inbox, d.in_inbox), "{d:?}");
@@ -154,7 +154,7 @@ macro_rules! inspect_suite {
                 }
                 let report = inspect(&fx.url, &InspectOptions::default()).await.unwrap();
                 let counts: Vec<(&str, i64, i64, i64)> = report
-                    .duplicates
+                    .duplicate_deliveries
                     .iter()
                     .map(|d| (d.consumer_type.as_str(), d.last_hour, d.last_day, d.in_inbox))
                     .collect();
@@ -167,10 +167,10 @@ macro_rules! inspect_suite {
                 let options = InspectOptions::default();
                 let later = |hours| inspect_at(&fx.url, &options, Utc::now() + TimeDelta::hours(hours));
                 let report = later(2).await.unwrap();
-                assert_eq!(report.duplicates[1].last_hour, 0);
-                assert_eq!(report.duplicates[1].last_day, 4);
+                assert_eq!(report.duplicate_deliveries[1].last_hour, 0);
+                assert_eq!(report.duplicate_deliveries[1].last_day, 4);
                 let report = later(36).await.unwrap();
-                assert_eq!((report.duplicates[1].last_day, report.duplicates[1].in_inbox), (0, 4));
+                assert_eq!((report.duplicate_deliveries[1].last_day, report.duplicate_deliveries[1].in_inbox), (0, 4));
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -197,9 +197,9 @@ macro_rules! inspect_suite {
                     expected_duplicates += 7;
                 }
                 let report = inspect(&fx.url, &InspectOptions::default()).await.unwrap();
-                assert_eq!(report.duplicates.len(), 1);
-                assert_eq!(report.duplicates[0].in_inbox, expected_duplicates);
-                assert_eq!(report.duplicates[0].last_hour, expected_duplicates);
+                assert_eq!(report.duplicate_deliveries.len(), 1);
+                assert_eq!(report.duplicate_deliveries[0].in_inbox, expected_duplicates);
+                assert_eq!(report.duplicate_deliveries[0].last_hour, expected_duplicates);
             }
 
             #[tokio::test]
@@ -323,5 +323,5 @@ async fn sqlite_monthly_tables_from_before_the_duplicate_columns_are_upgraded() 
         "the old row still deduplicates"
     );
     let report = inspect(&fx.url, &InspectOptions::default()).await.unwrap();
-    assert_eq!(report.duplicates[0].in_inbox, 1);
+    assert_eq!(report.duplicate_deliveries[0].in_inbox, 1);
 }

@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::envelope::{Envelope, KeyError, MessageId};
+use crate::metrics::DeadReason;
 
 /// The body of a message on the wire.
 #[derive(Debug, Serialize, Deserialize)]
@@ -52,13 +53,13 @@ pub enum Malformed {
 }
 
 impl Malformed {
-    /// The short, stable reason code written to the dead-letter header and metrics.
-    pub fn reason(&self) -> &'static str {
+    /// The reason written to the dead-letter header and metrics.
+    pub fn reason(&self) -> DeadReason {
         match self {
-            Malformed::MissingMessageId => "missing_message_id",
-            Malformed::InvalidMessageId(_) => "invalid_message_id",
-            Malformed::NotAnEnvelope(_) => "not_an_envelope",
-            Malformed::UnknownKind { .. } => "unknown_kind",
+            Malformed::MissingMessageId => DeadReason::MissingMessageId,
+            Malformed::InvalidMessageId(_) => DeadReason::InvalidMessageId,
+            Malformed::NotAnEnvelope(_) => DeadReason::NotAnEnvelope,
+            Malformed::UnknownKind { .. } => DeadReason::UnknownKind,
         }
     }
 }
@@ -190,7 +191,7 @@ mod tests {
         ];
         for (properties, body, reason) in cases {
             let error = decode(&properties, body, &charge).unwrap_err();
-            assert_eq!(error.reason(), reason, "{error}");
+            assert_eq!(error.reason().as_str(), reason, "{error}");
         }
         assert!(decode(&id("m-1"), good, &charge).is_ok());
         assert!(decode(&id("m-1"), br#"{"kind":"x","payload":1}"#, &BTreeSet::new()).is_ok());

@@ -37,6 +37,7 @@ use super::broker::{self, Publisher, Routing};
 use super::codec;
 use super::config::{AmqpConfig, AmqpError};
 use crate::envelope::{ConsumerType, Envelope};
+use crate::metrics::DeadReason;
 use crate::supervisor::panic_message;
 
 /// The header with a dead-lettered message's reason code.
@@ -387,7 +388,8 @@ impl<H: DeliveryHandler> Work<H> {
                     Disposition::Done { reply } => self.done(&delivery, &id, reply).await,
                     Disposition::Retry(reason) => self.retry(&delivery, &reason).await,
                     Disposition::Reject(reason) => {
-                        self.dead_letter(&delivery, "rejected", &reason).await
+                        self.dead_letter(&delivery, DeadReason::Rejected, &reason)
+                            .await
                     }
                 }
             }
@@ -427,7 +429,7 @@ impl<H: DeliveryHandler> Work<H> {
         if attempts >= self.config.max_redeliveries {
             let detail = format!("failed {attempts} times, last: {reason}");
             return self
-                .dead_letter(delivery, "retries_exhausted", &detail)
+                .dead_letter(delivery, DeadReason::RetriesExhausted, &detail)
                 .await;
         }
         tokio::time::sleep(backoff(attempts)).await;
@@ -446,14 +448,17 @@ impl<H: DeliveryHandler> Work<H> {
     async fn dead_letter(
         &self,
         delivery: &Delivery,
-        reason: &'static str,
+        reason: DeadReason,
         detail: &str,
     ) -> Result<(), AmqpError> {
-        tracing::warn!(queue = %self.queue, reason, detail, "dead-lettering a message");
+        tracing::warn!(queue = %self.queue, reason = reason.as_str(), detail, "dead-lettering a message");
         let properties = codec::with_headers(
             delivery.properties.clone(),
             [
-                (DEAD_REASON_HEADER, AMQPValue::LongString(reason.into())),
+                (
+                    DEAD_REASON_HEADER,
+                    AMQPValue::LongString(reason.as_str().into()),
+                ),
                 (DEAD_DETAIL_HEADER, AMQPValue::LongString(detail.into())),
             ],
         );

@@ -9,7 +9,7 @@ use sqlx::Database;
 
 use crate::envelope::{ConsumerType, Envelope};
 use crate::inbox::{GuardError, InboxError, InboxGuard, Outcome};
-use crate::metrics;
+use crate::metrics::{self, MessageOutcome};
 use crate::store::{ClaimKey, InboxStore};
 
 /// The most envelopes [`InboxGuard::process_batch`] takes at once. A batch holds the locks
@@ -100,13 +100,15 @@ impl<S: InboxStore> InboxGuard<S> {
         match &result {
             Ok(outcomes) => {
                 for outcome in outcomes {
-                    let label = outcome.as_ref().map_or("failed", Outcome::label);
+                    let label = outcome
+                        .as_ref()
+                        .map_or(MessageOutcome::Failed, MessageOutcome::of);
                     metrics::inbox_message(consumer_type, label);
                 }
             }
             Err(_) => {
                 for _ in envelopes {
-                    metrics::inbox_message(consumer_type, "failed");
+                    metrics::inbox_message(consumer_type, MessageOutcome::Failed);
                 }
             }
         }
@@ -185,7 +187,7 @@ impl<S: InboxStore> InboxGuard<S> {
             }
             claimed => claimed?,
         };
-        metrics::claim_duration(claim_started.elapsed());
+        metrics::claim_duration(consumer_type, claim_started.elapsed());
 
         // Per claimed key: its first delivery, or None while it waits for its result.
         let mut claimed: Vec<Option<Outcome>> = Vec::with_capacity(keys.len());

@@ -12,7 +12,7 @@ use tracing::Instrument;
 use crate::clock::{Clock, SystemClock};
 use crate::envelope::{ConsumerType, Envelope};
 use crate::inbox::{ConfigError, GuardError, InboxConfig, InboxError, Outcome};
-use crate::metrics;
+use crate::metrics::{self, MessageOutcome};
 use crate::month::Month;
 use crate::store::{ClaimKey, Claimed, FirstDelivery, InboxStore, PartitionCreation};
 
@@ -129,10 +129,10 @@ impl<S: InboxStore> InboxGuard<S> {
             .instrument(span.clone())
             .await;
         let label = match &result {
-            Ok(outcome) => outcome.label(),
-            Err(_) => "failed",
+            Ok(outcome) => MessageOutcome::of(outcome),
+            Err(_) => MessageOutcome::Failed,
         };
-        span.record("outcome", label);
+        span.record("outcome", label.as_str());
         metrics::inbox_message(consumer_type, label);
         result
     }
@@ -167,7 +167,7 @@ impl<S: InboxStore> InboxGuard<S> {
             }
             claimed => claimed?,
         };
-        metrics::claim_duration(claim_started.elapsed());
+        metrics::claim_duration(consumer_type, claim_started.elapsed());
         let row_written = match claimed {
             Claimed::Duplicate(first) => {
                 self.count_duplicate(tx, &key, &first, now).await;

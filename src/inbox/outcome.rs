@@ -32,9 +32,6 @@ impl Outcome {
 
     /// The metric label of this outcome: `applied` or `duplicate`.
     pub fn label(&self) -> &'static str {
-        match self {
-            Outcome::Applied(_) => "applied",
-            Outcome::Duplicate { .. } => "duplicate",
-        }
+        crate::metrics::MessageOutcome::of(self).as_str()
     }
 }

@@ -50,8 +50,9 @@ pub fn prometheus_builder() -> Result<PrometheusBuilder, BuildError> {
 }
 
 /// Starts serving Prometheus text at `http://ADDR/metrics` (any path answers) and
-/// installs the recorder every sagabox metric goes to, with the catalogue described and
-/// registered at zero (see [`register_catalogue`]). Call it once per process, from
+/// installs the recorder every sagabox metric goes to, with the catalogue described, the
+/// metrics without labels registered at zero and `sagabox_build_info` set (see
+/// [`register_catalogue`]). Call it once per process, from
 /// within a Tokio runtime; `addr` is `HOST:PORT` (`0.0.0.0:9464` to listen on every
 /// interface). Returns the address it listens on.
 pub fn install_prometheus(addr: &str) -> Result<SocketAddr, MetricsError> {

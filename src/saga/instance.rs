@@ -27,7 +27,7 @@ pub enum SagaStatus {
 
 impl SagaStatus {
     /// The text stored in `saga_instances.status`.
-    pub fn as_str(self) -> &'static str {
+    pub const fn as_str(self) -> &'static str {
         match self {
             SagaStatus::Running => "running",
             SagaStatus::Compensating => "compensating",

@@ -43,6 +43,20 @@ pub fn has_metric(text: &str, name: &str) -> bool {
     })
 }
 
+/// Whether the text has a series of metric `name` without any label of its own (for a
+/// histogram, a `_bucket` series with only `le`, or a bare `_sum` or `_count`).
+pub fn has_unlabelled_series(text: &str, name: &str) -> bool {
+    text.lines().any(|line| {
+        line.strip_prefix(name).is_some_and(|rest| {
+            rest.starts_with(' ')
+                || rest.starts_with("{}")
+                || rest.starts_with("_bucket{le=")
+                || rest.starts_with("_sum ")
+                || rest.starts_with("_count ")
+        })
+    })
+}
+
 /// The sum of the values of every series of `name` whose labels contain all of `labels`
 /// (`key="value"` strings).
 pub fn sum(text: &str, name: &str, labels: &[&str]) -> f64 {

@@ -54,7 +54,7 @@ pub(crate) struct BenchArgs {
     pub(crate) with_result: bool,
     pub(crate) rounds: usize,
     pub(crate) seed: u64,
-    pub(crate) modes: Vec<String>,
+    pub(crate) modes: Vec<Mode>,
     pub(crate) timeless: bool,
     pub(crate) batch: usize,
     pub(crate) prefill: u64,
@@ -94,25 +94,31 @@ pub(crate) struct BenchReport {
     pruning: Option<scale::PruneReport>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Mode {
+/// What `--modes` takes, in the order the modes run: `--help` and the error for an
+/// unknown mode both list these variants.
+#[derive(Debug, Clone, Copy, PartialEq, clap::ValueEnum)]
+#[value(rename_all = "snake_case")]
+pub(crate) enum Mode {
+    /// The baseline: hand-written `INSERT … ON CONFLICT DO NOTHING` into an unpartitioned inbox.
     RawSql,
+    /// The inbox guard, one transaction per message.
     Guard,
+    /// Each message through a step pool of worker actors, reply awaited.
     Actor,
+    /// The guard over batches of `--batch` messages, business statements per message.
     Batched,
+    /// The same batches with set-based business statements.
     BatchedSet,
+    /// The business statements alone, no inbox: the ceiling.
     NoInbox,
 }
 
 impl Mode {
-    const ALL: [Mode; 6] = [
-        Mode::RawSql,
-        Mode::Guard,
-        Mode::Actor,
-        Mode::Batched,
-        Mode::BatchedSet,
-        Mode::NoInbox,
-    ];
+    /// Every mode, in the order they run.
+    fn all() -> &'static [Mode] {
+        <Mode as clap::ValueEnum>::value_variants()
+    }
+
     fn name(self) -> &'static str {
         match self {
             Mode::RawSql => "raw_sql",
@@ -351,9 +357,9 @@ macro_rules! backend_runner {
                 },
                 &mut rng,
             );
-            for mode in Mode::ALL
-                .into_iter()
-                .filter(|m| args.modes.is_empty() || args.modes.iter().any(|n| n == m.name()))
+            for &mode in Mode::all()
+                .iter()
+                .filter(|m| args.modes.is_empty() || args.modes.contains(m))
             {
                 let consumer = ConsumerType::new(format!("bench-{}", mode.name()))?;
                 let steps = if mode == Mode::Actor {
@@ -658,16 +664,6 @@ pub(crate) async fn run(args: BenchArgs) -> Result<BenchReport, BoxError> {
         )
         .into());
     }
-    if let Some(unknown) = args
-        .modes
-        .iter()
-        .find(|n| Mode::ALL.iter().all(|m| m.name() != n.as_str()))
-    {
-        return Err(format!(
-            "unknown mode {unknown:?}: choose from raw_sql, guard, actor, batched, batched_set, no_inbox"
-        )
-        .into());
-    }
     if args.messages == 0 || args.concurrency == 0 {
         return Err("--messages and --concurrency must be at least 1".into());
     }
@@ -678,9 +674,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<BenchReport, BoxError> {
     if (args.prefill > 0 || args.prune_rows > 0) && backend != Backend::Postgres {
         return Err("--prefill and --prune-rows run on PostgreSQL only".into());
     }
-    if args.prefill > 0
-        && !(args.modes.is_empty() || args.modes.iter().any(|m| m == Mode::Guard.name()))
-    {
+    if args.prefill > 0 && !(args.modes.is_empty() || args.modes.contains(&Mode::Guard)) {
         return Err(
             "--prefill compares with the guard mode on the empty inbox: include it in --modes"
                 .into(),
@@ -847,5 +841,18 @@ impl std::fmt::Display for BenchReport {
             write!(f, "{pruning}")?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_mode_reports_under_the_name_it_is_chosen_by() {
+        for mode in Mode::all() {
+            let value = clap::ValueEnum::to_possible_value(mode).expect("no mode is hidden");
+            assert_eq!(value.get_name(), mode.name());
+        }
     }
 }

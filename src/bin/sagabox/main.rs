@@ -139,7 +139,7 @@ enum Command {
         #[arg(long, value_name = "HOST:PORT")]
         metrics_addr: Option<String>,
     },
-    /// Show the inbox's partitions and reach, duplicates suppressed, sagas by status and
+    /// Show the inbox's partitions and reach, duplicate deliveries, sagas by status and
     /// the outbox's backlog, counted from the tables, with warnings for what needs a person.
     Inspect {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
@@ -225,9 +225,9 @@ enum Command {
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
-        /// Only these modes (comma-separated: raw_sql, guard, actor, batched, no_inbox); all by default.
+        /// Only these modes (comma-separated); all by default.
         #[arg(long, value_delimiter = ',')]
-        modes: Vec<String>,
+        modes: Vec<bench::Mode>,
         /// Messages with UUIDv4 ids and no publish time: the guard's slow path.
         #[arg(long)]
         timeless: bool,
