@@ -53,8 +53,11 @@ pub enum InspectError {
     /// The options given are unsafe or inconsistent.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// The database refused a query or could not be reached.
-    #[error("database error while inspecting {url}: {source}")]
+    /// The database could not be opened or reached.
+    #[error(transparent)]
+    Connect(#[from] crate::database::ConnectError),
+    /// The database refused a query.
+    #[error("database error while inspecting {url}: {}", crate::database::describe(.source))]
     Database {
         /// The database, password redacted.
         url: String,

@@ -24,6 +24,10 @@ use crate::store::InboxStore;
 #[cfg(feature = "rabbitmq")]
 use crate::amqp::{AmqpConfig, AmqpDispatch, ConsumerHandle, serve_step, serve_step_batched};
 
+/// The log target of `serve`'s lifecycle lines (up, stopping, stopped), which
+/// [`DEFAULT_FILTER`](crate::telemetry::DEFAULT_FILTER) shows at `info`.
+pub const SERVE_TARGET: &str = "sagabox::serve";
+
 /// The consumer type the orchestrator's replies are deduplicated as.
 pub const ORCHESTRATOR: &str = "orchestrator";
 
@@ -321,7 +325,7 @@ pub async fn serve(
             sqlx::raw_sql(super::POSTGRES_TABLES)
                 .execute(store.pool())
                 .await?;
-            serve_on(store, config, shutdown).await
+            serve_on(store, &redact(url), config, shutdown).await
         }
         #[cfg(feature = "sqlite")]
         Backend::Sqlite => {
@@ -329,7 +333,7 @@ pub async fn serve(
             sqlx::raw_sql(super::SQLITE_TABLES)
                 .execute(store.pool())
                 .await?;
-            serve_on(store, config, shutdown).await
+            serve_on(store, &redact(url), config, shutdown).await
         }
         #[allow(unreachable_patterns)]
         _ => Err(crate::InboxError::UnsupportedUrl(redact(url)).into()),
@@ -339,6 +343,7 @@ pub async fn serve(
 #[cfg(feature = "rabbitmq")]
 async fn serve_on<S>(
     store: S,
+    database: &str,
     config: ServeConfig,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), DemoError>
@@ -393,9 +398,23 @@ where
     } else {
         None
     };
+    // The lifecycle lines have a target of their own, which the default log filter lets
+    // through: an operator sees that the process is up, and on what, without RUST_LOG.
+    let queues: Vec<String> = config
+        .roles
+        .iter()
+        .map(|role| config.amqp.queue(role))
+        .collect();
     tracing::info!(
-        roles = ?config.roles.iter().map(ConsumerType::as_str).collect::<Vec<_>>(),
+        target: SERVE_TARGET,
+        version = env!("CARGO_PKG_VERSION"),
+        database,
+        broker = %crate::database::redact(&config.amqp.url),
+        queues = %queues.join(","),
         orchestrator = config.orchestrator,
+        workers = config.workers,
+        prefetch = config.amqp.prefetch,
+        batch = config.batch,
         "serving"
     );
     let resume = async {
@@ -416,12 +435,16 @@ where
         _ = shutdown => {}
         _ = resume => {}
     }
-    tracing::info!("stopping: finishing the messages in flight");
+    tracing::info!(
+        target: SERVE_TARGET,
+        "stopping: finishing the messages in flight"
+    );
     if let Some((actor, handle, dispatch)) = orchestrator {
         actor.stop(None);
         let _ = handle.await;
         dispatch.stop().await;
     }
     participants.stop().await;
+    tracing::info!(target: SERVE_TARGET, %database, "stopped");
     Ok(())
 }
