@@ -149,9 +149,9 @@ pub enum DemoError {
     /// The inbox refused or failed.
     #[error(transparent)]
     Inbox(#[from] InboxError),
-    /// The database could not be opened or reached.
+    /// The database could not be opened or reached (boxed: it is the largest variant).
     #[error(transparent)]
-    Connect(#[from] crate::database::ConnectError),
+    Connect(Box<crate::database::ConnectError>),
     /// The database failed.
     #[error("database error: {}", crate::database::describe(.0))]
     Database(#[from] sqlx::Error),
@@ -171,6 +171,12 @@ pub enum DemoError {
     #[cfg(feature = "rabbitmq")]
     #[error(transparent)]
     Broker(#[from] crate::amqp::AmqpError),
+}
+
+impl From<crate::database::ConnectError> for DemoError {
+    fn from(error: crate::database::ConnectError) -> Self {
+        DemoError::Connect(Box::new(error))
+    }
 }
 
 impl DemoConfig {

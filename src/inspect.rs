@@ -53,9 +53,9 @@ pub enum InspectError {
     /// The options given are unsafe or inconsistent.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// The database could not be opened or reached.
+    /// The database could not be opened or reached (boxed: it is the largest variant).
     #[error(transparent)]
-    Connect(#[from] crate::database::ConnectError),
+    Connect(Box<crate::database::ConnectError>),
     /// The database refused a query.
     #[error("database error while inspecting {url}: {}", crate::database::describe(.source))]
     Database {
@@ -65,6 +65,12 @@ pub enum InspectError {
         #[source]
         source: sqlx::Error,
     },
+}
+
+impl From<crate::database::ConnectError> for InspectError {
+    fn from(error: crate::database::ConnectError) -> Self {
+        InspectError::Connect(Box::new(error))
+    }
 }
 
 /// What `inspect` compares the database against.

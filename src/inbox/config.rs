@@ -49,7 +49,7 @@ pub enum ConfigError {
 /// `duration` in days, as people give TTLs (`30 days`, `1.5 days`), however large.
 fn in_days(duration: &Duration) -> String {
     let secs = duration.as_secs();
-    if secs % DAY.as_secs() == 0 && duration.subsec_nanos() == 0 {
+    if secs.is_multiple_of(DAY.as_secs()) && duration.subsec_nanos() == 0 {
         format!("{} days", secs / DAY.as_secs())
     } else {
         format!("{:.1} days", duration.as_secs_f64() / DAY.as_secs_f64())

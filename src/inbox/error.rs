@@ -100,9 +100,9 @@ pub enum InboxError {
         /// The consumer.
         consumer_type: ConsumerType,
     },
-    /// The database could not be opened or reached.
+    /// The database could not be opened or reached (boxed: it is the largest variant).
     #[error(transparent)]
-    Connect(#[from] crate::database::ConnectError),
+    Connect(Box<crate::database::ConnectError>),
     /// The database is missing or has not had sagabox's migrations (all of them).
     #[error(
         "{url} is not a sagabox database at the current version ({what}); run `sagabox migrate --database-url …` first"
@@ -137,6 +137,12 @@ impl From<sqlx::Error> for InboxError {
             sqlx::Error::PoolTimedOut => InboxError::PoolTimedOut,
             error => InboxError::Database(error),
         }
+    }
+}
+
+impl From<crate::database::ConnectError> for InboxError {
+    fn from(error: crate::database::ConnectError) -> Self {
+        InboxError::Connect(Box::new(error))
     }
 }
 
