@@ -97,7 +97,8 @@ enum Command {
         /// Share of orders whose card is declined (0..=1).
         #[arg(long, default_value_t = 0.05, value_parser = args::rate)]
         decline_rate: f64,
-        /// Seed of every random choice.
+        /// Seed of the orders and of the fault draws. The order in which concurrent
+        /// deliveries and retries meet is the scheduler's, so counts vary between runs.
         #[arg(long, default_value_t = 1)]
         seed: u64,
         /// Bypass the inbox: the control that shows the damage.
@@ -331,19 +332,26 @@ fn usage_error(subcommand: &str, message: impl Display) -> ! {
     command.error(ErrorKind::ValueValidation, message).exit()
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
-async fn interrupted() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
+/// Resolves on Ctrl-C or SIGTERM. The handlers are installed when this is called, not
+/// when it is first awaited: `serve` says it is up before it awaits, and a SIGTERM sent
+/// right after that line must stop it gracefully rather than kill it.
+fn interrupted() -> impl std::future::Future<Output = ()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let handlers = [SignalKind::interrupt(), SignalKind::terminate()].map(signal);
+    async move {
+        let [interrupt, terminate] = handlers.map(|handler| async move {
+            match handler {
+                Ok(mut signal) => {
+                    signal.recv().await;
+                }
+                // Without a handler the signal keeps its default action.
+                Err(_) => std::future::pending::<()>().await,
             }
-            Err(_) => std::future::pending::<()>().await,
+        });
+        tokio::select! {
+            _ = interrupt => {}
+            _ = terminate => {}
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate => {}
     }
 }
 
