@@ -1,8 +1,9 @@
 //! The values the `sagabox` command line takes, checked by library functions with typed
 //! errors so the binary, its tests and the fuzz targets share one definition: database
-//! URLs ([`database_url`]), fault rates ([`rate`], [`rate_below_one`]) and the pruner's
-//! retention settings ([`retention_config`], with the explicit override of the TTL
-//! check).
+//! URLs ([`database_url`], every subcommand's default [`DEFAULT_DATABASE_URL`]), fault
+//! rates ([`rate`], [`rate_below_one`]), counts ([`count`], [`at_least_one`],
+//! [`prefetch`]) and the pruner's retention settings ([`retention_config`], with the
+//! explicit override of the TTL check).
 //!
 //! Every error that quotes a URL quotes it [`redact`]ed.
 
@@ -16,6 +17,11 @@ use crate::inbox::{ConfigError, InboxConfig};
 pub const MAX_URL_BYTES: usize = 4096;
 
 const DAY_SECS: u64 = 86_400;
+
+/// The database every subcommand uses when `--database-url` is not given: one file in
+/// the current folder, so that `sagabox demo` and then `sagabox inspect` look at the same
+/// data.
+pub const DEFAULT_DATABASE_URL: &str = "sqlite:sagabox.db";
 
 /// A command-line value that was refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -67,6 +73,15 @@ pub enum ArgError {
     /// A clock speed out of range.
     #[error(transparent)]
     ClockSpeed(#[from] crate::clock::InvalidClockSpeed),
+    /// A count that is not a whole number within its range (negative, zero where at
+    /// least one is needed, too large, or not a number at all).
+    #[error("{value:?} is not a whole number {expected}")]
+    NotACount {
+        /// The text given (at most 64 characters of it).
+        value: String,
+        /// The accepted range, in words.
+        expected: &'static str,
+    },
     /// Retention settings the inbox refuses.
     #[error("{reason}{hint}")]
     Retention {
@@ -188,6 +203,39 @@ pub fn clock_speed(text: &str) -> Result<f64, ArgError> {
     Ok(crate::clock::ScaledClock::check_speed(value)?)
 }
 
+/// Parses a count of 0 or more (`--orders`).
+pub fn count(text: &str) -> Result<usize, ArgError> {
+    whole(text, 0, "of 0 or more")
+}
+
+/// Parses a count of at least 1 (`--concurrency`, `--workers`, `--messages`).
+pub fn at_least_one(text: &str) -> Result<usize, ArgError> {
+    whole(text, 1, "of 1 or more")
+}
+
+/// Parses an AMQP prefetch: 1 to 65535 unacknowledged messages (0 would let the broker
+/// send without limit).
+pub fn prefetch(text: &str) -> Result<u16, ArgError> {
+    let expected = "from 1 to 65535";
+    let value = whole(text, 1, expected)?;
+    u16::try_from(value).map_err(|_| ArgError::NotACount {
+        value: text.chars().take(64).collect(),
+        expected,
+    })
+}
+
+/// `text` as a whole number of at least `min`; `expected` names the range in the error.
+fn whole(text: &str, min: usize, expected: &'static str) -> Result<usize, ArgError> {
+    text.trim()
+        .parse::<usize>()
+        .ok()
+        .filter(|value| *value >= min)
+        .ok_or_else(|| ArgError::NotACount {
+            value: text.chars().take(64).collect(),
+            expected,
+        })
+}
+
 fn parse_rate(text: &str) -> Result<f64, ArgError> {
     let value: f64 = text
         .trim()
@@ -282,6 +330,30 @@ mod tests {
         // Found by the fuzz target: a tiny negative value was quoted 300 digits long.
         let tiny = rate("-2.4734269389403685e-301").unwrap_err().to_string();
         assert!(tiny.contains("e-301") && tiny.len() < 100, "{tiny}");
+    }
+
+    #[test]
+    fn counts_are_checked() {
+        assert_eq!(count("0"), Ok(0));
+        assert_eq!(count(" 12 "), Ok(12));
+        assert_eq!(at_least_one("1"), Ok(1));
+        assert_eq!(prefetch("65535"), Ok(65535));
+        for (refused, expected) in [
+            (count("-5"), "\"-5\" is not a whole number of 0 or more"),
+            (count("1.5"), "\"1.5\" is not a whole number of 0 or more"),
+            (
+                at_least_one("0"),
+                "\"0\" is not a whole number of 1 or more",
+            ),
+            (
+                prefetch("0").map(usize::from),
+                "\"0\" is not a whole number from 1 to 65535",
+            ),
+            (prefetch("65536").map(usize::from), "from 1 to 65535"),
+        ] {
+            let error = refused.unwrap_err().to_string();
+            assert!(error.contains(expected), "{error}");
+        }
     }
 
     #[test]

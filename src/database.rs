@@ -1,6 +1,9 @@
 //! Opening the right store from a database URL, for the CLI and quick starts
-//! ([`migrate`], [`prune`]); and [`redact`], which keeps passwords out of logs and error
-//! messages.
+//! ([`migrate`], [`prune`]); [`ConnectError`], which says what could not be opened and
+//! where; [`describe`], the driver's error without its server-side source line; and
+//! [`redact`], which keeps passwords out of logs and error messages.
+
+use std::path::PathBuf;
 
 use crate::inbox::{InboxConfig, InboxError, InboxGuard};
 use crate::month::Month;
@@ -26,6 +29,143 @@ impl Backend {
         } else {
             Err(InboxError::UnsupportedUrl(redact(url)))
         }
+    }
+}
+
+/// Why a database could not be opened: what was wrong and where, password redacted.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnectError {
+    /// The URL does not parse.
+    #[error("invalid database url {url}: {reason}")]
+    InvalidUrl {
+        /// The URL, password redacted.
+        url: String,
+        /// What the driver said.
+        reason: String,
+    },
+    /// The folder an SQLite file would be in does not exist.
+    #[error(
+        "cannot open the SQLite database {path}: the folder {folder} does not exist; create it \
+         or give a path in an existing folder"
+    )]
+    SqliteFolderMissing {
+        /// The file.
+        path: String,
+        /// Its folder.
+        folder: String,
+    },
+    /// SQLite could not open the file.
+    #[error("cannot open the SQLite database {path}: {reason}")]
+    Sqlite {
+        /// The file.
+        path: String,
+        /// Why, in the driver's words.
+        reason: String,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// PostgreSQL could not be reached, or refused the connection.
+    #[error("cannot connect to PostgreSQL at {host}:{port} ({url}): {reason}")]
+    Postgres {
+        /// The URL, password redacted.
+        url: String,
+        /// The host (or socket folder) connected to.
+        host: String,
+        /// The port.
+        port: u16,
+        /// Why, and what to check.
+        reason: String,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+}
+
+impl ConnectError {
+    /// The error of opening the database at `url`, from the driver's `error`.
+    pub(crate) fn new(url: &str, error: sqlx::Error) -> Self {
+        if let sqlx::Error::Configuration(reason) = &error {
+            return ConnectError::InvalidUrl {
+                url: redact(url),
+                reason: reason.to_string(),
+            };
+        }
+        #[cfg(feature = "postgres")]
+        if matches!(Backend::of(url), Ok(Backend::Postgres)) {
+            use std::str::FromStr;
+            let (host, port) = sqlx::postgres::PgConnectOptions::from_str(url).map_or_else(
+                |_| (String::from("?"), 0),
+                |options| (options.get_host().to_owned(), options.get_port()),
+            );
+            let reason = match &error {
+                sqlx::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => {
+                    "connection refused: is PostgreSQL running there, and are the host and port right?"
+                        .to_owned()
+                }
+                sqlx::Error::Io(io) => format!("{io}: is the host right and reachable?"),
+                other => describe(other),
+            };
+            return ConnectError::Postgres {
+                url: redact(url),
+                host,
+                port,
+                reason,
+                source: error,
+            };
+        }
+        ConnectError::Sqlite {
+            path: sqlite_file(url).map_or_else(|| redact(url), |path| path.display().to_string()),
+            reason: describe(&error),
+            source: error,
+        }
+    }
+}
+
+/// The file an `sqlite:` URL names; `None` for an in-memory database or a URL that does
+/// not parse.
+pub(crate) fn sqlite_file(url: &str) -> Option<PathBuf> {
+    #[cfg(feature = "sqlite")]
+    {
+        use std::str::FromStr;
+        if url.contains(":memory:") || url.contains("mode=memory") {
+            return None;
+        }
+        let options = sqlx::sqlite::SqliteConnectOptions::from_str(url).ok()?;
+        Some(options.get_filename().to_path_buf())
+    }
+    #[cfg(not(feature = "sqlite"))]
+    {
+        let _ = url;
+        None
+    }
+}
+
+/// Refuses an `sqlite:` URL whose file would be in a folder that does not exist: SQLite
+/// itself only says "unable to open database file", without the path.
+pub(crate) fn check_sqlite_folder(url: &str) -> Result<(), ConnectError> {
+    let Some(path) = sqlite_file(url) else {
+        return Ok(());
+    };
+    match path.parent() {
+        Some(folder) if !folder.as_os_str().is_empty() && !folder.is_dir() => {
+            Err(ConnectError::SqliteFolderMissing {
+                path: path.display().to_string(),
+                folder: folder.display().to_string(),
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The driver's `error` as a sentence for people: a database's own message without the
+/// PostgreSQL server's source line (`… at line 948`), which names a line of the server's
+/// C code, not of anything the user wrote.
+pub fn describe(error: &sqlx::Error) -> String {
+    match error {
+        sqlx::Error::Database(database) => database.message().to_owned(),
+        other => other.to_string(),
     }
 }
 
@@ -101,21 +241,104 @@ pub async fn migrate(url: &str, config: InboxConfig) -> Result<Vec<Month>, Inbox
 
 /// Runs one pruner pass on the database at `url`: creates the partitions ahead and drops
 /// the expired ones; with `dry_run`, only reports what it would do.
+///
+/// The database must exist and be migrated ([`InboxError::NotMigrated`] otherwise): a
+/// pass never creates an SQLite file, nor partitions of tables that are not there.
 pub async fn prune(url: &str, config: InboxConfig, dry_run: bool) -> Result<PrunePass, InboxError> {
+    let not_migrated = |what: String| InboxError::NotMigrated {
+        url: redact(url),
+        what,
+    };
     match Backend::of(url)? {
         #[cfg(feature = "postgres")]
         Backend::Postgres => {
             let store = crate::PostgresStore::connect(url, 2).await?;
+            let mut conn = store.pool().acquire().await?;
+            if let Some(what) = unapplied_postgres(&mut conn).await? {
+                return Err(not_migrated(what));
+            }
+            drop(conn);
             InboxGuard::new(store, config)?.run_pass(dry_run).await
         }
         #[cfg(feature = "sqlite")]
         Backend::Sqlite => {
+            if let Some(what) = missing_sqlite_file(url)? {
+                return Err(not_migrated(what));
+            }
             let store = crate::SqliteStore::connect(url, 2).await?;
+            let mut conn = store.pool().acquire().await?;
+            if let Some(what) = unapplied_sqlite(&mut conn).await? {
+                return Err(not_migrated(what));
+            }
+            drop(conn);
             InboxGuard::new(store, config)?.run_pass(dry_run).await
         }
         #[allow(unreachable_patterns)]
         _ => Err(InboxError::UnsupportedUrl(redact(url))),
     }
+}
+
+/// For commands that must not create a database: `Some(what)` when the file an `sqlite:`
+/// URL names does not exist; [`ConnectError::SqliteFolderMissing`] when its folder does
+/// not either.
+pub(crate) fn missing_sqlite_file(url: &str) -> Result<Option<String>, ConnectError> {
+    check_sqlite_folder(url)?;
+    Ok(sqlite_file(url)
+        .filter(|path| !path.exists())
+        .map(|path| format!("there is no file {}", path.display())))
+}
+
+/// What keeps the PostgreSQL database behind `conn` from being at this version's
+/// migrations, or `None` when every one has run.
+#[cfg(feature = "postgres")]
+pub(crate) async fn unapplied_postgres(
+    conn: &mut sqlx::PgConnection,
+) -> Result<Option<String>, sqlx::Error> {
+    let has_table: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+        .fetch_one(&mut *conn)
+        .await?;
+    if !has_table {
+        return Ok(Some(NO_MIGRATIONS.to_owned()));
+    }
+    let applied: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
+            .fetch_all(&mut *conn)
+            .await?;
+    Ok(unapplied(&crate::store::POSTGRES_MIGRATOR, &applied))
+}
+
+/// What keeps the SQLite database behind `conn` from being at this version's
+/// migrations, or `None` when every one has run.
+#[cfg(feature = "sqlite")]
+pub(crate) async fn unapplied_sqlite(
+    conn: &mut sqlx::SqliteConnection,
+) -> Result<Option<String>, sqlx::Error> {
+    let has_table: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations')",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    if !has_table {
+        return Ok(Some(NO_MIGRATIONS.to_owned()));
+    }
+    let applied: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
+            .fetch_all(&mut *conn)
+            .await?;
+    Ok(unapplied(&crate::store::SQLITE_MIGRATOR, &applied))
+}
+
+const NO_MIGRATIONS: &str = "no migrations have run";
+
+/// The migrations of `migrator` missing from `applied`, named, or `None`.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+fn unapplied(migrator: &sqlx::migrate::Migrator, applied: &[i64]) -> Option<String> {
+    let missing: Vec<String> = migrator
+        .iter()
+        .filter(|m| !applied.contains(&m.version))
+        .map(|m| format!("{}_{}", m.version, m.description))
+        .collect();
+    (!missing.is_empty()).then(|| format!("migrations not applied: {}", missing.join(", ")))
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 
 mod transport;
 
-pub use transport::{DemoDispatch, ORCHESTRATOR, kinds_of};
+pub use transport::{DemoDispatch, ORCHESTRATOR, SERVE_TARGET, kinds_of};
 #[cfg(feature = "rabbitmq")]
 pub use transport::{Participants, ServeConfig, serve};
 
@@ -149,9 +149,21 @@ pub enum DemoError {
     /// The inbox refused or failed.
     #[error(transparent)]
     Inbox(#[from] InboxError),
+    /// The database could not be opened or reached (boxed: it is the largest variant).
+    #[error(transparent)]
+    Connect(Box<crate::database::ConnectError>),
     /// The database failed.
-    #[error("database error: {0}")]
+    #[error("database error: {}", crate::database::describe(.0))]
     Database(#[from] sqlx::Error),
+    /// `resume` was asked on a database with no demo run on record.
+    #[error(
+        "nothing to resume in {database}: no demo run is on record there; run `sagabox demo` \
+         without --resume to start one"
+    )]
+    NothingToResume {
+        /// The database, password redacted.
+        database: String,
+    },
     /// An actor did not start or answer.
     #[error("actor failure: {0}")]
     Actor(String),
@@ -165,6 +177,12 @@ pub enum DemoError {
     #[cfg(feature = "rabbitmq")]
     #[error(transparent)]
     Broker(#[from] crate::amqp::AmqpError),
+}
+
+impl From<crate::database::ConnectError> for DemoError {
+    fn from(error: crate::database::ConnectError) -> Self {
+        DemoError::Connect(Box::new(error))
+    }
 }
 
 impl DemoConfig {
@@ -311,6 +329,31 @@ pub struct DemoSummary {
     pub months_pruned: Vec<String>,
     /// Inbox months with a partition at the end (`YYYY-MM`).
     pub months_kept: Vec<String>,
+    /// What the damage figures add up to: [`Verdict::Ok`] when [`damage`](Self::damage)
+    /// is 0.
+    pub verdict: Verdict,
+}
+
+/// The demo's conclusion, from the damage figures read from the business tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum Verdict {
+    /// Nothing charged, decremented or sent twice, every compensation balanced.
+    Ok,
+    /// Side effects applied more than once or not undone.
+    Damage,
+}
+
+impl Verdict {
+    /// The verdict on a sum of damage figures.
+    pub fn of(damage: i64) -> Self {
+        if damage == 0 {
+            Verdict::Ok
+        } else {
+            Verdict::Damage
+        }
+    }
 }
 
 impl DemoSummary {
@@ -369,10 +412,11 @@ impl fmt::Display for DemoSummary {
             ),
             (
                 "verdict",
-                if self.damage() == 0 {
-                    "nothing charged, decremented or sent twice".to_owned()
-                } else {
-                    "DAMAGE: side effects applied more than once or not undone".to_owned()
+                match self.verdict {
+                    Verdict::Ok => "nothing charged, decremented or sent twice".to_owned(),
+                    Verdict::Damage => {
+                        "DAMAGE: side effects applied more than once or not undone".to_owned()
+                    }
                 },
             ),
         ];
@@ -745,7 +789,8 @@ macro_rules! backend_run {
                 let stored: Option<i64> = sqlx::query_scalar("SELECT orders FROM demo_run")
                     .fetch_optional(&pool)
                     .await?;
-                usize::try_from(stored.unwrap_or(0)).unwrap_or(0)
+                let stored = stored.ok_or_else(|| DemoError::NothingToResume { database: redact(url) })?;
+                usize::try_from(stored).unwrap_or(0)
             } else {
                 // One transaction: a run killed while setting up is either on record,
                 // stocked, or not started at all.
@@ -902,7 +947,7 @@ macro_rules! backend_run {
                 figures.insert(name, value);
             }
             let figure = |name: &str| figures.get(name).copied().unwrap_or_default();
-            Ok(DemoSummary {
+            let mut summary = DemoSummary {
                 database: redact(url),
                 transport: config
                     .transport
@@ -927,7 +972,10 @@ macro_rules! backend_run {
                 clock_end: clock.now(),
                 months_pruned: months_pruned.iter().map(Month::to_string).collect(),
                 months_kept: months_kept.iter().map(Month::to_string).collect(),
-            })
+                verdict: Verdict::Ok,
+            };
+            summary.verdict = Verdict::of(summary.damage());
+            Ok(summary)
         }
     };
 }
@@ -951,6 +999,12 @@ backend_run!(run_sqlite, crate::SqliteStore, sqlx::Sqlite, SQLITE_TABLES);
 /// places the orders it had not placed yet.
 pub async fn run(url: &str, config: &DemoConfig) -> Result<DemoSummary, DemoError> {
     config.validate()?;
+    // Nothing to resume where there is no database: do not create one to say so.
+    if config.resume && matches!(crate::database::missing_sqlite_file(url), Ok(Some(_))) {
+        return Err(DemoError::NothingToResume {
+            database: redact(url),
+        });
+    }
     let connections = u32::try_from(config.concurrency.clamp(4, 64)).unwrap_or(16);
     match Backend::of(url)? {
         #[cfg(feature = "postgres")]

@@ -56,8 +56,11 @@ pub enum InspectError {
     /// The options given are unsafe or inconsistent.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// The database refused a query or could not be reached.
-    #[error("database error while inspecting {url}: {source}")]
+    /// The database could not be opened or reached (boxed: it is the largest variant).
+    #[error(transparent)]
+    Connect(Box<crate::database::ConnectError>),
+    /// The database refused a query.
+    #[error("database error while inspecting {url}: {}", crate::database::describe(.source))]
     Database {
         /// The database, password redacted.
         url: String,
@@ -65,6 +68,12 @@ pub enum InspectError {
         #[source]
         source: sqlx::Error,
     },
+}
+
+impl From<crate::database::ConnectError> for InspectError {
+    fn from(error: crate::database::ConnectError) -> Self {
+        InspectError::Connect(Box::new(error))
+    }
 }
 
 /// What `inspect` compares the database against.

@@ -17,8 +17,10 @@ use std::str::FromStr;
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::fmt::format::FmtSpan;
 
-/// The filter used when `RUST_LOG` is unset: warnings and errors only.
-pub const DEFAULT_FILTER: &str = "warn";
+/// The filter used when `RUST_LOG` is unset: warnings and errors, and `serve`'s up and
+/// stop lines; lapin's own error lines are held back, since every broker failure reaches
+/// the caller as one typed error that says it in full.
+pub const DEFAULT_FILTER: &str = "warn,lapin=off,sagabox::serve=info";
 
 /// How log lines are written.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

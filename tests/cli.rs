@@ -1,21 +1,91 @@
-//! The `sagabox` binary: `migrate` and `bench`, run as a user would, against a fresh
-//! SQLite file and a fresh PostgreSQL database.
+//! The `sagabox` binary run as a user would, against fresh SQLite files, fresh
+//! PostgreSQL databases and the real RabbitMQ: `migrate`, `prune` and `bench`; one
+//! default database for every subcommand; usage errors (exit status 2); errors that say
+//! what is wrong and where; `--json` failures as one object; the demo's verdict as its
+//! exit status; `serve`'s up and stop lines.
 
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
-use std::process::Command;
+use std::io::BufRead;
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
-fn sagabox(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_sagabox"))
+/// The binary with `args`, without `DATABASE_URL`, `AMQP_URL` or `RUST_LOG` from the
+/// test's environment.
+fn command(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_sagabox"));
+    command
         .args(args)
         .env_remove("DATABASE_URL")
-        .output()
-        .expect("run sagabox")
+        .env_remove("AMQP_URL")
+        .env_remove("RUST_LOG")
+        .env_remove("SAGABOX_LOG_FORMAT");
+    command
 }
 
-fn stdout(output: &std::process::Output) -> String {
+fn sagabox(args: &[&str]) -> Output {
+    command(args).output().expect("run sagabox")
+}
+
+/// An empty folder of its own, removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Self {
+        let path =
+            std::env::temp_dir().join(format!("sagabox-cli-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir(&path).unwrap();
+        Self(path)
+    }
+
+    /// `sqlite:` and the path of `file` in this folder.
+    fn url(&self, file: &str) -> String {
+        format!("sqlite:{}", self.0.join(file).display())
+    }
+
+    /// Runs the binary in this folder.
+    fn run(&self, args: &[&str]) -> Output {
+        command(args)
+            .current_dir(&self.0)
+            .output()
+            .expect("run sagabox")
+    }
+
+    fn files(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(&self.0)
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    fn is_empty(&self) -> bool {
+        self.files().is_empty()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// stdout as the one JSON object it must be.
+fn json(output: &Output) -> serde_json::Value {
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(text.lines().count(), 1, "one line on stdout: {text}");
+    serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+fn stdout(output: &Output) -> String {
     assert!(
         output.status.success(),
         "sagabox failed: {}\n{}",
@@ -155,7 +225,8 @@ fn bench_refuses_bad_arguments() {
     assert_eq!(output.status.code(), Some(2), "a usage error");
     assert!(String::from_utf8_lossy(&output.stderr).contains("invalid value 'turbo' for '--modes"));
     let output = sagabox(&["bench", "--database-url", "sqlite:x.db", "--batch", "0"]);
-    assert!(String::from_utf8_lossy(&output.stderr).contains("--batch must be within 1..=10000"));
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("0 is not in 1..=10000"));
     let output = sagabox(&["bench", "--database-url", "sqlite:x.db", "--prefill", "10"]);
     assert!(String::from_utf8_lossy(&output.stderr).contains("run on PostgreSQL only"));
 }
@@ -221,7 +292,7 @@ fn bench_help_and_the_unknown_mode_error_list_the_same_modes() {
 }
 
 /// `demo --clock-speed`: out-of-range speeds and a fast clock with `--resume` are refused
-/// with the reason, before anything touches the database.
+/// as usage errors (exit status 2) with the reason, before anything touches the database.
 #[test]
 fn demo_refuses_a_bad_clock_speed() {
     for (speed, expected) in [
@@ -236,27 +307,26 @@ fn demo_refuses_a_bad_clock_speed() {
             "--clock-speed",
             speed,
         ]);
-        assert!(!output.status.success(), "{speed}");
+        assert_eq!(output.status.code(), Some(2), "{speed}");
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(stderr.contains(expected), "{speed}: {stderr}");
     }
-    let file = std::env::temp_dir().join(format!("sagabox-clock-{}.db", std::process::id()));
-    let url = format!("sqlite:{}", file.display());
+    let dir = Scratch::new();
     let output = sagabox(&[
         "demo",
         "--database-url",
-        &url,
+        &dir.url("x.db"),
         "--clock-speed",
         "43200",
         "--resume",
     ]);
-    assert!(!output.status.success());
+    assert_eq!(output.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
-        stderr.contains("--clock-speed cannot be combined with --resume"),
+        stderr.contains("cannot be used with") && stderr.contains("--resume"),
         "{stderr}"
     );
-    assert!(!file.exists(), "refused before opening the database");
+    assert!(dir.is_empty(), "refused before opening the database");
 }
 
 #[tokio::test]
@@ -318,4 +388,443 @@ async fn bench_prefill_and_pruning_report_their_figures_on_postgres() {
         .scalar("SELECT COUNT(*) FROM pg_namespace WHERE nspname LIKE 'sagabox_bench_%'")
         .await;
     assert_eq!(left, 0, "the scratch schema is dropped");
+}
+
+/// Every subcommand has the same default database: `demo` then `inspect` and `prune`, in
+/// an empty folder and without `--database-url`, look at the same file.
+#[test]
+fn demo_then_inspect_and_prune_use_the_same_default_database() {
+    let dir = Scratch::new();
+    let demo = dir.run(&["demo", "--orders", "5", "--json"]);
+    assert!(demo.status.success(), "{}", stderr(&demo));
+    assert_eq!(json(&demo)["database"], sagabox::args::DEFAULT_DATABASE_URL);
+    let inspect = dir.run(&["inspect", "--json"]);
+    assert!(inspect.status.success(), "{}", stderr(&inspect));
+    let report = json(&inspect);
+    assert_eq!(
+        report["sagas"]["by_status"]["completed"]
+            .as_i64()
+            .unwrap_or(0)
+            + report["sagas"]["by_status"]["compensated"]
+                .as_i64()
+                .unwrap_or(0),
+        5,
+        "{report}"
+    );
+    let prune = dir.run(&["prune", "--dry-run"]);
+    assert!(prune.status.success(), "{}", stderr(&prune));
+    assert_eq!(
+        dir.files()
+            .iter()
+            .filter(|name| name.ends_with(".db"))
+            .collect::<Vec<_>>(),
+        ["sagabox.db"]
+    );
+}
+
+/// `AMQP_URL` (which the tests read) never moves the demo onto RabbitMQ: only
+/// `--transport` does.
+#[test]
+fn amqp_url_in_the_environment_leaves_the_demo_in_process() {
+    let dir = Scratch::new();
+    let output = command(&["demo", "--orders", "3", "--json"])
+        .current_dir(&dir.0)
+        .env("AMQP_URL", "amqp://guest:guest@127.0.0.1:1/%2f")
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_eq!(json(&output)["transport"], "in-process");
+}
+
+/// Usage errors exit with status 2 and say what was wrong, before any database or
+/// broker is touched.
+#[test]
+fn usage_errors_exit_with_status_2() {
+    let dir = Scratch::new();
+    let url = dir.url("usage.db");
+    let amqp = "amqp://guest:guest@127.0.0.1:1/%2f";
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["demo", "--orders", "-5"],
+            "\"-5\" is not a whole number of 0 or more",
+        ),
+        (
+            &["demo", "--concurrency", "0"],
+            "\"0\" is not a whole number of 1 or more",
+        ),
+        (
+            &["demo", "--resume", "--clock-speed", "2"],
+            "cannot be used with",
+        ),
+        (
+            &[
+                "demo",
+                "--transport",
+                amqp,
+                "--external-participants",
+                "--clock-speed",
+                "2",
+            ],
+            "cannot be used with",
+        ),
+        (
+            &["demo", "--transport", "rabbit://x"],
+            "is not amqp://user:password@host:port/vhost",
+        ),
+        (
+            &["demo", "--duplicate-rate", "1.5"],
+            "rate 1.5 is out of range",
+        ),
+        (
+            &["serve", "--role", "cashier", "--transport", amqp],
+            "[possible values: payment, inventory, email, orchestrator, all]",
+        ),
+        (&["serve", "--role", "payment"], "--transport <URL>"),
+        (
+            &[
+                "serve",
+                "--role",
+                "payment",
+                "--transport",
+                amqp,
+                "--prefetch",
+                "0",
+            ],
+            "\"0\" is not a whole number from 1 to 65535",
+        ),
+        (
+            &[
+                "serve",
+                "--role",
+                "payment",
+                "--transport",
+                amqp,
+                "--workers",
+                "0",
+            ],
+            "\"0\" is not a whole number of 1 or more",
+        ),
+        (
+            &[
+                "serve",
+                "--role",
+                "payment",
+                "--transport",
+                amqp,
+                "--prefetch",
+                "4",
+                "--batch",
+                "8",
+            ],
+            "--batch 8 is above --prefetch 4",
+        ),
+        (
+            &["migrate", "--database-url", "mysql://app:hunter2@db/x"],
+            "unsupported database url",
+        ),
+        (
+            &["migrate", "--partitions-ahead", "13"],
+            "create at most 12 months ahead",
+        ),
+        (&["prune", "--ttl-days", "7"], "--force-short-ttl"),
+        (&["prune", "--ttl-days", "-1"], "invalid value '-1'"),
+        (
+            &["inspect", "--ttl-days", "7"],
+            "shorter than the broker retention",
+        ),
+        (
+            &["bench", "--messages", "0"],
+            "\"0\" is not a whole number of 1 or more",
+        ),
+        (
+            &["bench", "--concurrency", "0"],
+            "\"0\" is not a whole number of 1 or more",
+        ),
+    ];
+    for (args, expected) in cases {
+        let mut args = args.to_vec();
+        if args[0] != "migrate" || !args.contains(&"--database-url") {
+            args.extend(["--database-url", &url]);
+        }
+        let output = dir.run(&args);
+        let text = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {text}");
+        assert!(text.contains(expected), "{args:?}: {text}");
+        assert!(!text.contains("hunter2"), "{args:?}: {text}");
+    }
+    assert!(
+        dir.is_empty(),
+        "no usage error created a file: {:?}",
+        dir.files()
+    );
+    // The roles are a value list, so `--help` names them.
+    let help = String::from_utf8_lossy(&sagabox(&["serve", "--help"]).stdout).into_owned();
+    for role in ["payment", "inventory", "email", "orchestrator", "all"] {
+        assert!(help.contains(role), "{help}");
+    }
+}
+
+/// A database that cannot be opened: the error names the file, or the host and port,
+/// without the password or the server's source line.
+#[tokio::test]
+async fn connection_errors_name_the_file_or_the_server() {
+    let dir = Scratch::new();
+    let missing = dir.0.join("no-such-folder").join("x.db");
+    let output = sagabox(&[
+        "migrate",
+        "--database-url",
+        &format!("sqlite:{}", missing.display()),
+    ]);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&missing.display().to_string())
+            && text.contains(&format!(
+                "the folder {} does not exist",
+                missing.parent().unwrap().display()
+            )),
+        "{text}"
+    );
+
+    let refused = sagabox(&[
+        "migrate",
+        "--database-url",
+        "postgres://app:hunter2@127.0.0.1:1/x",
+    ]);
+    let text = stderr(&refused);
+    assert_eq!(refused.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("cannot connect to PostgreSQL at 127.0.0.1:1")
+            && text.contains("connection refused")
+            && !text.contains("hunter2"),
+        "{text}"
+    );
+
+    let admin = common::admin_url();
+    let (server, _) = admin.rsplit_once('/').unwrap();
+    let absent = format!("{server}/sagabox_absent_{}", uuid::Uuid::new_v4().simple());
+    for args in [
+        vec!["migrate", "--database-url", &absent],
+        vec!["inspect", "--database-url", &absent],
+        vec!["demo", "--database-url", &absent, "--orders", "1"],
+    ] {
+        let output = sagabox(&args);
+        let text = stderr(&output);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {text}");
+        assert!(text.contains("does not exist"), "{args:?}: {text}");
+        assert!(!text.contains(" at line "), "{args:?}: {text}");
+    }
+}
+
+/// `prune` needs a migrated database, as `inspect` does, and never creates one.
+#[tokio::test]
+async fn prune_asks_for_migrate_on_an_unmigrated_or_missing_database() {
+    let empty = common::Pg::unmigrated().await;
+    for args in [
+        vec!["prune", "--database-url", &empty.url],
+        vec!["prune", "--database-url", &empty.url, "--dry-run"],
+    ] {
+        let output = sagabox(&args);
+        let text = stderr(&output);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {text}");
+        assert!(text.contains("run `sagabox migrate"), "{args:?}: {text}");
+    }
+    let dir = Scratch::new();
+    for dry_run in [true, false] {
+        let mut args = vec!["prune"];
+        if dry_run {
+            args.push("--dry-run");
+        }
+        let output = dir.run(&args);
+        let text = stderr(&output);
+        assert_eq!(output.status.code(), Some(1), "{text}");
+        assert!(
+            text.contains("there is no file sagabox.db") && text.contains("run `sagabox migrate"),
+            "{text}"
+        );
+    }
+    assert!(dir.is_empty(), "prune created {:?}", dir.files());
+}
+
+/// `demo --resume` where no run is on record says so (exit status 1), and with `--json`
+/// as one object on stdout.
+#[test]
+fn resume_with_nothing_to_resume_says_so() {
+    let dir = Scratch::new();
+    let output = dir.run(&["demo", "--resume", "--json"]);
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    let error = json(&output)["error"].as_str().unwrap().to_owned();
+    assert!(
+        error.contains("nothing to resume in sqlite:sagabox.db"),
+        "{error}"
+    );
+    assert!(stderr(&output).contains(&error));
+    assert!(dir.is_empty(), "no database created: {:?}", dir.files());
+    // A database with the demo's tables but no run on record.
+    let migrated = dir.run(&["migrate"]);
+    assert!(migrated.status.success(), "{}", stderr(&migrated));
+    let output = dir.run(&["demo", "--resume"]);
+    assert_eq!(output.status.code(), Some(1));
+    assert!(
+        stderr(&output).contains("no demo run is on record"),
+        "{}",
+        stderr(&output)
+    );
+}
+
+/// A broker that refuses the demo: one line on stderr, without lapin's own error lines.
+#[test]
+fn an_amqp_failure_is_one_line() {
+    let url = common::rabbit::amqp_url();
+    let (_, host) = url
+        .rsplit_once('@')
+        .expect("the test broker URL has user info");
+    let wrong = format!("amqp://sagabox-nobody:wrong@{host}");
+    let dir = Scratch::new();
+    let output = dir.run(&["demo", "--orders", "1", "--transport", &wrong]);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert_eq!(text.trim_end().lines().count(), 1, "{text}");
+    assert!(
+        text.starts_with("sagabox demo: cannot connect to RabbitMQ at amqp://sagabox-nobody:***@"),
+        "{text}"
+    );
+    assert!(!text.contains("wrong@"), "{text}");
+}
+
+/// `--json` failures are one object on stdout; the demo's JSON carries its verdict, and
+/// damage is exit status 3.
+#[test]
+fn json_carries_failures_and_the_verdict() {
+    let dir = Scratch::new();
+    let inspect = dir.run(&["inspect", "--json"]);
+    assert_eq!(inspect.status.code(), Some(1));
+    assert!(
+        json(&inspect)["error"]
+            .as_str()
+            .unwrap()
+            .contains("run `sagabox migrate")
+    );
+    let bench = dir.run(&["bench", "--modes", "turbo", "--json"]);
+    assert_eq!(bench.status.code(), Some(1));
+    assert!(
+        json(&bench)["error"]
+            .as_str()
+            .unwrap()
+            .contains("unknown mode")
+    );
+
+    let exact = dir.run(&["demo", "--orders", "30", "--json"]);
+    assert_eq!(exact.status.code(), Some(0), "{}", stderr(&exact));
+    assert_eq!(json(&exact)["verdict"], "ok");
+    let damaged = dir.run(&[
+        "demo",
+        "--orders",
+        "30",
+        "--no-inbox",
+        "--duplicate-rate",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(damaged.status.code(), Some(3), "{}", stderr(&damaged));
+    let report = json(&damaged);
+    assert_eq!(report["verdict"], "damage", "{report}");
+    assert!(report["double_charges"].as_i64().unwrap() > 0, "{report}");
+    let table = dir.run(&[
+        "demo",
+        "--orders",
+        "30",
+        "--no-inbox",
+        "--duplicate-rate",
+        "1",
+    ]);
+    assert_eq!(table.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&table.stdout).contains("DAMAGE"));
+}
+
+/// With the default log filter, the demo writes nothing on stderr, and `serve` one JSON
+/// line when it is up (version, redacted URLs, its queues) and when it stops.
+#[tokio::test]
+async fn serve_logs_when_it_is_up_and_when_it_stops() {
+    let dir = Scratch::new();
+    let demo = dir.run(&["demo", "--orders", "5"]);
+    assert!(demo.status.success());
+    assert_eq!(stderr(&demo), "", "the demo is quiet by default");
+
+    let rabbit = common::rabbit::Rabbit::new(&["payment", "email"]).await;
+    let url = dir.url("serve.db");
+    let child = command(&[
+        "--log-format",
+        "json",
+        "serve",
+        "--role",
+        "payment,email",
+        "--transport",
+        &rabbit.config.url,
+        "--queue-prefix",
+        &rabbit.config.queue_prefix,
+        "--database-url",
+        &url,
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut children = common::children::Children::new(vec![child]);
+    let stderr = children[0].stderr.take().unwrap();
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines() {
+            if lines_tx.send(line.unwrap()).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let up = loop {
+        let line = lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("serve logged that it is up within 60 s");
+        let event: serde_json::Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        if event["fields"]["message"] == "serving" {
+            break event;
+        }
+    };
+    let fields = &up["fields"];
+    assert_eq!(up["level"], "INFO", "{up}");
+    assert_eq!(fields["version"], env!("CARGO_PKG_VERSION"), "{up}");
+    assert_eq!(fields["database"], url, "{up}");
+    let broker = fields["broker"].as_str().unwrap();
+    assert_eq!(
+        broker,
+        sagabox::database::redact(&rabbit.config.url),
+        "{up}"
+    );
+    assert!(broker.contains(":***@"), "the password redacted: {up}");
+    assert_eq!(
+        fields["queues"],
+        format!("{0}.email,{0}.payment", rabbit.config.queue_prefix),
+        "{up}"
+    );
+    let sent = Command::new("kill")
+        .args(["-TERM", &children[0].id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let status = children[0].wait().unwrap();
+    assert!(status.success(), "{status}");
+    let rest: Vec<serde_json::Value> = lines
+        .iter()
+        .map(|line| serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}")))
+        .collect();
+    let messages: Vec<&str> = rest
+        .iter()
+        .filter_map(|e| e["fields"]["message"].as_str())
+        .collect();
+    assert_eq!(
+        messages,
+        ["stopping: finishing the messages in flight", "stopped"],
+        "{rest:?}"
+    );
 }

@@ -132,7 +132,12 @@ async fn inspect_refuses_a_missing_file_and_an_unmigrated_database() {
         None,
     );
     assert!(!output.status.success());
-    assert!(String::from_utf8_lossy(&output.stderr).starts_with("sagabox inspect: database error"));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(&format!("there is no file {}", path.display()))
+            && stderr.contains("run `sagabox migrate"),
+        "{stderr}"
+    );
     assert!(!path.exists());
 }
 

@@ -57,7 +57,7 @@ pub enum RelayError {
     #[error(transparent)]
     Broker(#[from] AmqpError),
     /// The database failed.
-    #[error("outbox database error: {0}")]
+    #[error("outbox database error: {}", crate::database::describe(.0))]
     Database(#[from] sqlx::Error),
     /// The configuration was refused.
     #[error("invalid relay configuration: {0}")]

@@ -22,6 +22,10 @@ use crate::supervisor::Supervision;
 #[cfg(feature = "rabbitmq")]
 use crate::amqp::{AmqpConfig, AmqpDispatch, ConsumerHandle, serve_step, serve_step_batched};
 
+/// The log target of `serve`'s lifecycle lines (up, stopping, stopped), which
+/// [`DEFAULT_FILTER`](crate::telemetry::DEFAULT_FILTER) shows at `info`.
+pub const SERVE_TARGET: &str = "sagabox::serve";
+
 /// The consumer type the orchestrator's replies are deduplicated as.
 pub const ORCHESTRATOR: &str = "orchestrator";
 
@@ -325,7 +329,7 @@ pub async fn serve(
             sqlx::raw_sql(super::POSTGRES_TABLES)
                 .execute(store.pool())
                 .await?;
-            serve_on(store, config, shutdown).await
+            serve_on(store, &redact(url), config, shutdown).await
         }
         #[cfg(feature = "sqlite")]
         Backend::Sqlite => {
@@ -333,7 +337,7 @@ pub async fn serve(
             sqlx::raw_sql(super::SQLITE_TABLES)
                 .execute(store.pool())
                 .await?;
-            serve_on(store, config, shutdown).await
+            serve_on(store, &redact(url), config, shutdown).await
         }
         #[allow(unreachable_patterns)]
         _ => Err(crate::InboxError::UnsupportedUrl(redact(url)).into()),
@@ -343,6 +347,7 @@ pub async fn serve(
 #[cfg(feature = "rabbitmq")]
 async fn serve_on<S>(
     store: S,
+    database: &str,
     config: ServeConfig,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), DemoError>
@@ -404,9 +409,23 @@ where
     } else {
         None
     };
+    // The lifecycle lines have a target of their own, which the default log filter lets
+    // through: an operator sees that the process is up, and on what, without RUST_LOG.
+    let queues: Vec<String> = config
+        .roles
+        .iter()
+        .map(|role| config.amqp.queue(role))
+        .collect();
     tracing::info!(
-        roles = ?config.roles.iter().map(ConsumerType::as_str).collect::<Vec<_>>(),
+        target: SERVE_TARGET,
+        version = env!("CARGO_PKG_VERSION"),
+        database,
+        broker = %crate::database::redact(&config.amqp.url),
+        queues = %queues.join(","),
         orchestrator = config.orchestrator,
+        workers = config.workers,
+        prefetch = config.amqp.prefetch,
+        batch = config.batch,
         "serving"
     );
     let resume = async {
@@ -428,7 +447,10 @@ where
         _ = resume => None,
         died = supervision.died() => Some(died),
     };
-    tracing::info!("stopping: finishing the messages in flight");
+    tracing::info!(
+        target: SERVE_TARGET,
+        "stopping: finishing the messages in flight"
+    );
     if let Some((actor, handle, dispatch)) = orchestrator {
         actor.stop(None);
         let _ = handle.await;
@@ -437,7 +459,13 @@ where
     participants.stop().await;
     supervision.stop().await;
     match died {
-        Some(died) => Err(died.into()),
-        None => Ok(()),
+        Some(died) => {
+            tracing::error!(target: SERVE_TARGET, %database, %died, "stopped");
+            Err(died.into())
+        }
+        None => {
+            tracing::info!(target: SERVE_TARGET, %database, "stopped");
+            Ok(())
+        }
     }
 }

@@ -31,17 +31,29 @@ pub enum ConfigError {
     ZeroRetention,
     /// A TTL beyond what the inbox can reason about.
     #[error(
-        "inbox ttl of {0:?} is longer than the limit of 10 years: keep rows for a bounded time"
+        "inbox ttl of {} is longer than the limit of 10 years (3650 days): keep rows for a bounded time",
+        in_days(.0)
     )]
     TtlTooLong(Duration),
     /// A future skew beyond a month.
     #[error(
-        "max_future_skew of {0:?} is longer than the limit of 31 days: fix the producer's clock instead"
+        "max_future_skew of {} is longer than the limit of 31 days: fix the producer's clock instead",
+        in_days(.0)
     )]
     SkewTooLarge(Duration),
     /// More partitions ahead than a year.
     #[error("partitions_ahead is {0}: create at most 12 months ahead")]
     TooManyPartitionsAhead(u32),
+}
+
+/// `duration` in days, as people give TTLs (`30 days`, `1.5 days`), however large.
+fn in_days(duration: &Duration) -> String {
+    let secs = duration.as_secs();
+    if secs.is_multiple_of(DAY.as_secs()) && duration.subsec_nanos() == 0 {
+        format!("{} days", secs / DAY.as_secs())
+    } else {
+        format!("{:.1} days", duration.as_secs_f64() / DAY.as_secs_f64())
+    }
 }
 
 /// How long the inbox keeps its rows, and how it treats message times.
@@ -190,5 +202,24 @@ mod tests {
                 .validate(),
             Err(ConfigError::SkewTooLarge(_))
         ));
+    }
+
+    #[test]
+    fn a_huge_ttl_is_quoted_in_days() {
+        let refused = InboxConfig::default()
+            .with_ttl(Duration::from_secs(99_999_999_999_999 * 86_400))
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            refused.contains("inbox ttl of 99999999999999 days is longer"),
+            "{refused}"
+        );
+        let skew = InboxConfig::default()
+            .with_max_future_skew(Duration::from_secs(45 * 86_400 + 43_200))
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(skew.contains("max_future_skew of 45.5 days"), "{skew}");
     }
 }

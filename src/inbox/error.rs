@@ -100,11 +100,24 @@ pub enum InboxError {
         /// The consumer.
         consumer_type: ConsumerType,
     },
+    /// The database could not be opened or reached (boxed: it is the largest variant).
+    #[error(transparent)]
+    Connect(Box<crate::database::ConnectError>),
+    /// The database is missing or has not had sagabox's migrations (all of them).
+    #[error(
+        "{url} is not a sagabox database at the current version ({what}); run `sagabox migrate --database-url …` first"
+    )]
+    NotMigrated {
+        /// The database, password redacted.
+        url: String,
+        /// What was missing.
+        what: String,
+    },
     /// Running the migrations failed.
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     /// The database failed; the transaction was rolled back and nothing was recorded.
-    #[error("database error: {0}")]
+    #[error("database error: {}", crate::database::describe(.0))]
     Database(#[source] sqlx::Error),
     /// No pooled connection became free within the pool's acquire timeout: every one was
     /// busy, or the database could not be reached to open a new one. Nothing was done.
@@ -124,6 +137,12 @@ impl From<sqlx::Error> for InboxError {
             sqlx::Error::PoolTimedOut => InboxError::PoolTimedOut,
             error => InboxError::Database(error),
         }
+    }
+}
+
+impl From<crate::database::ConnectError> for InboxError {
+    fn from(error: crate::database::ConnectError) -> Self {
+        InboxError::Connect(Box::new(error))
     }
 }
 

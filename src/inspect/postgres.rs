@@ -7,19 +7,20 @@ use sqlx::postgres::{PgConnectOptions, PgConnection};
 use sqlx::{Connection, Row};
 
 use super::{DuplicateReport, Facts, InspectError, SagaRow, database_error, merge_duplicates};
+use crate::database::ConnectError;
 use crate::database::redact;
 use crate::month::Month;
-use crate::store::{PARTITION_PREFIX, POSTGRES_MIGRATOR};
+use crate::store::PARTITION_PREFIX;
 
 /// Reads every figure; `windows` are the starts of the last hour and the last day.
 pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Facts, InspectError> {
     let failed = database_error(url);
     let options = PgConnectOptions::from_str(url)
-        .map_err(&failed)?
+        .map_err(|error| ConnectError::new(url, error))?
         .application_name("sagabox-inspect");
     let mut conn = PgConnection::connect_with(&options)
         .await
-        .map_err(&failed)?;
+        .map_err(|error| ConnectError::new(url, error))?;
     check_migrated(url, &mut conn).await?;
     // One snapshot: the partitions, their rows and the sagas all agree with each other.
     let mut tx = conn
@@ -141,33 +142,14 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
 
 /// Refuses a database where any of this version's migrations has not run.
 async fn check_migrated(url: &str, conn: &mut PgConnection) -> Result<(), InspectError> {
-    let failed = database_error(url);
-    let has_table: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
-        .fetch_one(&mut *conn)
+    match crate::database::unapplied_postgres(conn)
         .await
-        .map_err(&failed)?;
-    if !has_table {
-        return Err(InspectError::NotMigrated {
+        .map_err(database_error(url))?
+    {
+        None => Ok(()),
+        Some(what) => Err(InspectError::NotMigrated {
             url: redact(url),
-            what: "no migrations have run".to_owned(),
-        });
-    }
-    let applied: Vec<i64> =
-        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(&failed)?;
-    let missing: Vec<String> = POSTGRES_MIGRATOR
-        .iter()
-        .filter(|m| !applied.contains(&m.version))
-        .map(|m| format!("{}_{}", m.version, m.description))
-        .collect();
-    if missing.is_empty() {
-        Ok(())
-    } else {
-        Err(InspectError::NotMigrated {
-            url: redact(url),
-            what: format!("migrations not applied: {}", missing.join(", ")),
-        })
+            what,
+        }),
     }
 }

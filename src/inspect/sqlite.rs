@@ -8,20 +8,27 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 
 use super::{DuplicateReport, Facts, InspectError, SagaRow, database_error, merge_duplicates};
 use crate::database::redact;
+use crate::database::{ConnectError, missing_sqlite_file};
 use crate::month::Month;
-use crate::store::{PARTITION_PREFIX, SQLITE_MIGRATOR};
+use crate::store::PARTITION_PREFIX;
 
 /// Reads every figure; `windows` are the starts of the last hour and the last day.
 pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Facts, InspectError> {
     let failed = database_error(url);
     // Never create a file: inspecting a mistyped path must fail, not make an empty db.
+    if let Some(what) = missing_sqlite_file(url)? {
+        return Err(InspectError::NotMigrated {
+            url: redact(url),
+            what,
+        });
+    }
     let options = SqliteConnectOptions::from_str(url)
-        .map_err(&failed)?
+        .map_err(|error| ConnectError::new(url, error))?
         .create_if_missing(false)
         .busy_timeout(std::time::Duration::from_secs(30));
     let mut conn = SqliteConnection::connect_with(&options)
         .await
-        .map_err(&failed)?;
+        .map_err(|error| ConnectError::new(url, error))?;
     check_migrated(url, &mut conn).await?;
     // A deferred transaction that only reads: one snapshot for every figure.
     let mut tx = conn.begin().await.map_err(&failed)?;
@@ -140,35 +147,14 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
 
 /// Refuses a database where any of this version's migrations has not run.
 async fn check_migrated(url: &str, conn: &mut SqliteConnection) -> Result<(), InspectError> {
-    let failed = database_error(url);
-    let has_table: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations')",
-    )
-    .fetch_one(&mut *conn)
-    .await
-    .map_err(&failed)?;
-    if !has_table {
-        return Err(InspectError::NotMigrated {
+    match crate::database::unapplied_sqlite(conn)
+        .await
+        .map_err(database_error(url))?
+    {
+        None => Ok(()),
+        Some(what) => Err(InspectError::NotMigrated {
             url: redact(url),
-            what: "no migrations have run".to_owned(),
-        });
-    }
-    let applied: Vec<i64> =
-        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(&failed)?;
-    let missing: Vec<String> = SQLITE_MIGRATOR
-        .iter()
-        .filter(|m| !applied.contains(&m.version))
-        .map(|m| format!("{}_{}", m.version, m.description))
-        .collect();
-    if missing.is_empty() {
-        Ok(())
-    } else {
-        Err(InspectError::NotMigrated {
-            url: redact(url),
-            what: format!("migrations not applied: {}", missing.join(", ")),
-        })
+            what,
+        }),
     }
 }

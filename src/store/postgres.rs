@@ -23,6 +23,7 @@ use sqlx::query::Query;
 use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Row, Transaction};
 
+use crate::database::ConnectError;
 use crate::month::Month;
 use crate::store::{
     BatchClaim, ClaimKey, Claimed, FirstDelivery, InboxStore, PARTITION_PREFIX, PartitionCreation,
@@ -79,16 +80,26 @@ impl PostgresStore {
     /// A database that cannot be reached now fails at once with the cause (connection
     /// refused, authentication, no such database): the pool's own first connection would
     /// retry for its whole acquire timeout (30 s) and then report only a pool timeout.
-    /// Later outages are ridden through: a connection is opened again when needed.
-    pub async fn connect(url: &str, max_connections: u32) -> Result<Self, sqlx::Error> {
-        let options = PgConnectOptions::from_str(url)?.application_name("sagabox");
-        PgConnection::connect_with(&options).await?.close().await?;
+    /// Later outages are ridden through: a connection is opened again when needed. The
+    /// error names the host and port (the URL's password redacted).
+    pub async fn connect(url: &str, max_connections: u32) -> Result<Self, ConnectError> {
+        let failed = |error| ConnectError::new(url, error);
+        let options = PgConnectOptions::from_str(url)
+            .map_err(failed)?
+            .application_name("sagabox");
+        PgConnection::connect_with(&options)
+            .await
+            .map_err(failed)?
+            .close()
+            .await
+            .map_err(failed)?;
         let pool = PgPoolOptions::new()
             .max_connections(max_connections.max(1))
             .acquire_timeout(Duration::from_secs(30))
             .test_before_acquire(false)
             .connect_with(options)
-            .await?;
+            .await
+            .map_err(failed)?;
         Ok(Self { pool })
     }
 

@@ -19,6 +19,7 @@ use sqlx::sqlite::{
 use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection, Transaction};
 
+use crate::database::ConnectError;
 use crate::month::Month;
 use crate::store::{
     BatchClaim, ClaimKey, Claimed, FirstDelivery, InboxStore, PARTITION_PREFIX, PartitionCreation,
@@ -43,8 +44,13 @@ impl SqliteStore {
     /// Opens (creating if missing) the database at `url` (`sqlite:path/to/file.db`) with
     /// up to `max_connections` connections, in WAL mode with full fsync on commit (an
     /// acknowledged message must survive a power cut) and a 30 s busy timeout.
-    pub async fn connect(url: &str, max_connections: u32) -> Result<Self, sqlx::Error> {
-        let options = SqliteConnectOptions::from_str(url)?
+    ///
+    /// The error names the file, and the folder when that is what is missing.
+    pub async fn connect(url: &str, max_connections: u32) -> Result<Self, ConnectError> {
+        crate::database::check_sqlite_folder(url)?;
+        let failed = |error| ConnectError::new(url, error);
+        let options = SqliteConnectOptions::from_str(url)
+            .map_err(failed)?
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Full)
@@ -54,7 +60,8 @@ impl SqliteStore {
             .max_connections(max_connections.max(1))
             .acquire_timeout(Duration::from_secs(30))
             .connect_with(options)
-            .await?;
+            .await
+            .map_err(failed)?;
         Ok(Self { pool })
     }
 

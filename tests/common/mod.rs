@@ -73,6 +73,23 @@ impl Pg {
         Self { url, pool, name }
     }
 
+    /// Creates the database and leaves it empty: no migrations.
+    pub async fn unmigrated() -> Self {
+        let admin = admin_url();
+        let mut conn = PgConnection::connect(&admin)
+            .await
+            .unwrap_or_else(|error| panic!("cannot connect to PostgreSQL at {admin}: {error}"));
+        let name = unique_name("sagabox_test");
+        sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut conn)
+            .await
+            .expect("create test database");
+        conn.close().await.ok();
+        let url = with_database(&admin, &name);
+        let pool = PgPool::connect(&url).await.expect("connect test db");
+        Self { url, pool, name }
+    }
+
     /// A new store with its own pool of `connections` connections.
     pub async fn store(&self, connections: u32) -> PostgresStore {
         PostgresStore::connect(&self.url, connections)

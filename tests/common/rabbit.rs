@@ -180,7 +180,7 @@ impl Rabbit {
                 role,
                 "--database-url",
                 database_url,
-                "--amqp-url",
+                "--transport",
                 &self.config.url,
                 "--queue-prefix",
                 &self.config.queue_prefix,

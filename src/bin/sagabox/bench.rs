@@ -654,6 +654,17 @@ backend_runner!(
     sqlx::Sqlite
 );
 
+/// The scratch file of a run on SQLite: beside the file `url` names, so that the disk
+/// measured is the one the given database is on.
+fn scratch_file(url: &str) -> Result<std::path::PathBuf, BoxError> {
+    let given = sqlx::sqlite::SqliteConnectOptions::from_str(url)?;
+    let given = given.get_filename();
+    let name = given
+        .file_name()
+        .map_or_else(|| "sagabox".into(), |name| name.to_string_lossy());
+    Ok(given.with_file_name(format!("{name}.bench-{}", std::process::id())))
+}
+
 /// Runs the benchmark on a scratch schema (PostgreSQL) or a scratch file (SQLite) that is
 /// removed afterwards, so it never touches the data at `database_url`.
 pub(crate) async fn run(args: BenchArgs) -> Result<BenchReport, BoxError> {
@@ -686,10 +697,11 @@ pub(crate) async fn run(args: BenchArgs) -> Result<BenchReport, BoxError> {
     let results = match backend {
         Backend::Postgres => {
             let schema = format!("sagabox_bench_{}", std::process::id());
-            let admin = PgPoolOptions::new()
-                .max_connections(1)
-                .connect(&args.database_url)
-                .await?;
+            // Through the store's connect, whose error names the host and port.
+            let admin = PostgresStore::connect(&args.database_url, 1)
+                .await?
+                .pool()
+                .clone();
             sqlx::raw_sql(AssertSqlSafe(format!(
                 "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
             )))
@@ -731,8 +743,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<BenchReport, BoxError> {
             outcome?
         }
         Backend::Sqlite => {
-            let path =
-                std::env::temp_dir().join(format!("sagabox-bench-{}.db", std::process::id()));
+            let path = scratch_file(&args.database_url)?;
             let url = format!("sqlite:{}", path.display());
             let store = SqliteStore::connect(&url, connections).await?;
             let pool = store.pool().clone();

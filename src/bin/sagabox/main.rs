@@ -1,13 +1,19 @@
 //! The `sagabox` command line: `demo`, `serve`, `migrate`, `prune`, `inspect`, `bench`.
+//!
+//! Exit status: 0 done; 1 the run failed (the cause on stderr, and with `--json` also as
+//! `{"error": "…"}` on stdout); 2 a usage error (clap's, or a value refused after
+//! parsing, with the same shape); 3 `demo` ran and found damage (its verdict).
 
 mod bench;
 
+use std::fmt::Display;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use sagabox::InboxConfig;
-use sagabox::args;
+use sagabox::args::{self, DEFAULT_DATABASE_URL};
 use sagabox::database::{migrate, prune, redact};
 use sagabox::inspect::{InspectOptions, inspect};
 use sagabox::telemetry::{LogFormat, init_tracing};
@@ -28,31 +34,56 @@ fn start_metrics(addr: &str) -> Result<(), String> {
     }
 }
 
+/// The exit status of a `demo` whose verdict is damage: it ran to the end, and found side
+/// effects applied twice or not undone.
+const EXIT_DAMAGE: u8 = 3;
+
+const EXIT_STATUS: &str = "Exit status: 0 done; 1 the run failed (with --json also {\"error\": …} \
+    on stdout); 2 usage error; 3 demo found damage.";
+
 /// Saga participants that process every message effectively exactly once.
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(version, about, after_help = EXIT_STATUS)]
 struct Cli {
     /// Log lines on stderr: human or json (one object per line). RUST_LOG filters them
-    /// (default: warn; RUST_LOG=sagabox=debug shows a line per message and step attempt).
+    /// (default: warnings, and serve's up and stop lines; RUST_LOG=sagabox=debug shows a
+    /// line per message and step attempt).
     #[arg(long, global = true, default_value_t = LogFormat::Human, env = "SAGABOX_LOG_FORMAT")]
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
 }
 
+/// A role `serve` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Role {
+    /// Charges and refunds (consumes <prefix>.payment).
+    Payment,
+    /// Decrements and restocks (consumes <prefix>.inventory).
+    Inventory,
+    /// Sends confirmations (consumes <prefix>.email).
+    Email,
+    /// Resumes unfinished checkout sagas.
+    Orchestrator,
+    /// Every role above.
+    All,
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the checkout saga (payment → inventory → email) under injected faults and
-    /// report, from the tables, whether anything was charged, decremented or sent twice.
+    /// report, from the tables, whether anything was charged, decremented or sent twice
+    /// (exit status 3 if so).
+    #[command(allow_negative_numbers = true, after_help = EXIT_STATUS)]
     Demo {
-        /// sqlite:file.db (default: sagabox-demo.db here) or postgres://user@host:port/db
-        #[arg(long, env = "DATABASE_URL", default_value = "sqlite:sagabox-demo.db")]
+        /// sqlite:path/to/file.db or postgres://user@host:port/db
+        #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
         /// Orders to place (with --resume: the resumed run's number is kept).
-        #[arg(long, default_value_t = 1000)]
+        #[arg(long, default_value_t = 1000, value_parser = args::count)]
         orders: usize,
         /// Sagas in flight at once.
-        #[arg(long, default_value_t = 32)]
+        #[arg(long, default_value_t = 32, value_parser = args::at_least_one)]
         concurrency: usize,
         /// Share of step commands delivered twice, concurrently (0..=1).
         #[arg(long, default_value_t = 0.5, value_parser = args::rate)]
@@ -66,7 +97,8 @@ enum Command {
         /// Share of orders whose card is declined (0..=1).
         #[arg(long, default_value_t = 0.05, value_parser = args::rate)]
         decline_rate: f64,
-        /// Seed of every random choice.
+        /// Seed of the orders and of the fault draws. The order in which concurrent
+        /// deliveries and retries meet is the scheduler's, so counts vary between runs.
         #[arg(long, default_value_t = 1)]
         seed: u64,
         /// Bypass the inbox: the control that shows the damage.
@@ -74,21 +106,21 @@ enum Command {
         no_inbox: bool,
         /// Resume a killed run: finish its unfinished sagas, then place the orders it had
         /// not placed yet (its --orders, not this one's).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "clock_speed")]
         resume: bool,
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
         /// Send commands and replies through RabbitMQ at this URL
         /// (amqp://guest:guest@127.0.0.1:5672/%2f) instead of in process.
-        #[arg(long, env = "AMQP_URL")]
+        #[arg(long, value_name = "URL")]
         transport: Option<String>,
         /// Queue names are <prefix>.<consumer_type> (with --transport).
         #[arg(long, default_value = "sagabox")]
         queue_prefix: String,
         /// The participants run as `sagabox serve` processes; this one only places
         /// orders and orchestrates (with --transport).
-        #[arg(long, requires = "transport")]
+        #[arg(long, requires = "transport", conflicts_with = "clock_speed")]
         external_participants: bool,
         /// Serve Prometheus metrics at HOST:PORT while the demo runs (e.g. 127.0.0.1:9464).
         #[arg(long, value_name = "HOST:PORT")]
@@ -100,30 +132,27 @@ enum Command {
         clock_speed: f64,
     },
     /// Run checkout participants over RabbitMQ until interrupted (Ctrl-C or SIGTERM):
-    /// each role consumes sagabox.<role> through its inbox and replies.
+    /// each role consumes <prefix>.<role> through its inbox and replies.
+    #[command(allow_negative_numbers = true, after_help = EXIT_STATUS)]
     Serve {
-        /// Roles to serve: payment, inventory, email, orchestrator (resumes unfinished
-        /// sagas), or all. Repeat or comma-separate.
+        /// Roles to serve. Repeat or comma-separate.
         #[arg(long, value_delimiter = ',', required = true)]
-        role: Vec<String>,
-        /// amqp://user:password@host:port/vhost
-        #[arg(
-            long,
-            env = "AMQP_URL",
-            default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
-        )]
-        amqp_url: String,
+        role: Vec<Role>,
+        /// The RabbitMQ broker: amqp://user:password@host:port/vhost (the same flag as
+        /// demo's).
+        #[arg(long, value_name = "URL")]
+        transport: String,
         /// postgres://user@host:port/db or sqlite:path/to/file.db
-        #[arg(long, env = "DATABASE_URL", default_value = "sqlite:sagabox-demo.db")]
+        #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
         /// Queue names are <prefix>.<consumer_type>.
         #[arg(long, default_value = "sagabox")]
         queue_prefix: String,
-        /// Unacknowledged messages per consumer (AMQP prefetch).
-        #[arg(long, default_value_t = 32)]
+        /// Unacknowledged messages per consumer (AMQP prefetch), 1 to 65535.
+        #[arg(long, default_value_t = 32, value_parser = args::prefetch)]
         prefetch: u16,
         /// Workers per step pool.
-        #[arg(long, default_value_t = 4)]
+        #[arg(long, default_value_t = 4, value_parser = args::at_least_one)]
         workers: usize,
         /// Commands claimed per batch, in one transaction (1: one at a time; at most
         /// the prefetch).
@@ -141,9 +170,10 @@ enum Command {
     },
     /// Show the inbox's partitions and reach, duplicate deliveries, sagas by status and
     /// the outbox's backlog, counted from the tables, with warnings for what needs a person.
+    #[command(allow_negative_numbers = true, after_help = EXIT_STATUS)]
     Inspect {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
-        #[arg(long, env = "DATABASE_URL", default_value = "sqlite:sagabox.db")]
+        #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
         /// Days a message stays deduplicated (as the inbox is configured).
         #[arg(long, default_value_t = 30)]
@@ -159,18 +189,20 @@ enum Command {
         json: bool,
     },
     /// Run the migrations and create the current and upcoming inbox partitions.
+    #[command(allow_negative_numbers = true, after_help = EXIT_STATUS)]
     Migrate {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
-        #[arg(long, env = "DATABASE_URL", default_value = "sqlite:sagabox.db")]
+        #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
         /// Months ahead of the current one to create partitions for.
         #[arg(long, default_value_t = 2)]
         partitions_ahead: u32,
     },
     /// Run one pruner pass: create the partitions ahead, drop the expired ones.
+    #[command(allow_negative_numbers = true, after_help = EXIT_STATUS)]
     Prune {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
-        #[arg(long, env = "DATABASE_URL", default_value = "sqlite:sagabox.db")]
+        #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
         /// Only report what the pass would do.
         #[arg(long)]
@@ -191,19 +223,17 @@ enum Command {
         force_short_ttl: bool,
     },
     /// Measure the inbox against hand-written SQL doing the same work, in one run.
+    #[command(allow_negative_numbers = true, after_help = EXIT_STATUS)]
     Bench {
-        /// postgres://user@host:port/db or sqlite:… (a scratch schema or file is used and removed)
-        #[arg(
-            long,
-            env = "DATABASE_URL",
-            default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-        )]
+        /// postgres://user@host:port/db or sqlite:path/to/file.db (a scratch schema in that
+        /// database, or a scratch file beside that one, is used and removed)
+        #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
         /// Messages per mode (a further 10 % warm up first, unmeasured).
-        #[arg(long, default_value_t = 20_000)]
+        #[arg(long, default_value_t = 20_000, value_parser = args::at_least_one)]
         messages: usize,
         /// Concurrent tasks (and pool connections).
-        #[arg(long, default_value_t = 8)]
+        #[arg(long, default_value_t = 8, value_parser = args::at_least_one)]
         concurrency: usize,
         /// Share of messages that repeat an earlier id, 0..=1.
         #[arg(long, default_value_t = 0.0, value_parser = args::rate)]
@@ -232,8 +262,8 @@ enum Command {
         #[arg(long)]
         timeless: bool,
         /// Messages per transaction in the `batched` mode (1..=10000).
-        #[arg(long, default_value_t = 100)]
-        batch: usize,
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u16).range(1..=10_000))]
+        batch: u16,
         /// PostgreSQL: afterwards, fill the inbox with this many rows over 12 months and
         /// run the guard mode again (claim cost as the table grows).
         #[arg(long, default_value_t = 0)]
@@ -245,103 +275,108 @@ enum Command {
     },
 }
 
-/// Prints `result`: a table, or one JSON object with `json`; an error on stderr.
-fn report<T, E>(command: &str, result: Result<T, E>, json: bool) -> ExitCode
+/// Prints `result`: a table, or one JSON object with `json`; a failure through
+/// [`failed`].
+fn report<T, E>(command: &str, result: Result<T, E>, json: bool) -> Result<(), ExitCode>
 where
-    T: serde::Serialize + std::fmt::Display,
-    E: std::fmt::Display,
+    T: serde::Serialize + Display,
+    E: Display,
 {
-    let printed = result.map_err(|e| e.to_string()).and_then(|value| {
-        if json {
-            let text = serde_json::to_string(&value).map_err(|e| e.to_string())?;
-            println!("{text}");
-        } else {
-            print!("{value}");
-        }
-        Ok(())
-    });
-    match printed {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("sagabox {command}: {error}");
+    let value = result.map_err(|error| failed(command, error, json))?;
+    if json {
+        let text = serde_json::to_string(&value).map_err(|error| failed(command, error, json))?;
+        emit(command, format_args!("{text}\n"))
+    } else {
+        emit(command, value)
+    }
+}
+
+/// Writes `text` to stdout. A reader that went away (`sagabox demo | head -1`) ends the
+/// command with a failure instead of a panic.
+fn emit(command: &str, text: impl Display) -> Result<(), ExitCode> {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    write!(stdout, "{text}")
+        .and_then(|()| stdout.flush())
+        .map_err(|error| {
+            eprintln!("sagabox {command}: cannot write the report to stdout: {error}");
             ExitCode::FAILURE
-        }
-    }
+        })
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
-async fn interrupted() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
+/// Reports a failed run: `sagabox <command>: <error>` on stderr and, with `json`, one
+/// object `{"error": "<error>"}` on stdout, so a script reading stdout sees it too.
+fn failed(command: &str, error: impl Display, json: bool) -> ExitCode {
+    let message = error.to_string();
+    if json {
+        // Best effort: the error goes to stderr below whether or not stdout takes it.
+        let _ = emit(
+            command,
+            format_args!("{}\n", serde_json::json!({ "error": message })),
+        );
+    }
+    eprintln!("sagabox {command}: {message}");
+    ExitCode::FAILURE
+}
+
+/// Ends the process as clap does for a usage error (exit status 2): for the values
+/// checked after parsing, whose own messages say what is wrong (and quote URLs redacted,
+/// which clap's would not).
+fn usage_error(subcommand: &str, message: impl Display) -> ! {
+    let mut cli = Cli::command();
+    cli.build();
+    let mut command = cli
+        .find_subcommand(subcommand)
+        .cloned()
+        .unwrap_or_else(Cli::command);
+    command.error(ErrorKind::ValueValidation, message).exit()
+}
+
+/// Resolves on Ctrl-C or SIGTERM. The handlers are installed when this is called, not
+/// when it is first awaited: `serve` says it is up before it awaits, and a SIGTERM sent
+/// right after that line must stop it gracefully rather than kill it.
+fn interrupted() -> impl std::future::Future<Output = ()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let handlers = [SignalKind::interrupt(), SignalKind::terminate()].map(signal);
+    async move {
+        let [interrupt, terminate] = handlers.map(|handler| async move {
+            match handler {
+                Ok(mut signal) => {
+                    signal.recv().await;
+                }
+                // Without a handler the signal keeps its default action.
+                Err(_) => std::future::pending::<()>().await,
             }
-            Err(_) => std::future::pending::<()>().await,
+        });
+        tokio::select! {
+            _ = interrupt => {}
+            _ = terminate => {}
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate => {}
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn serve(
-    roles: Vec<String>,
-    amqp_url: String,
-    database_url: &str,
-    queue_prefix: String,
-    prefetch: u16,
-    workers: usize,
-    batch: u16,
-    fail_rate: f64,
-    seed: u64,
-) -> Result<(), String> {
-    const STEPS: [&str; 3] = ["payment", "inventory", "email"];
+/// The step roles and whether to run an orchestrator, from `--role`.
+fn split_roles(roles: &[Role]) -> (Vec<sagabox::ConsumerType>, bool) {
     let mut steps = Vec::new();
     let mut orchestrator = false;
     for role in roles {
-        match role.as_str() {
-            "all" => {
-                steps.extend(STEPS.map(str::to_owned));
-                orchestrator = true;
-            }
-            "orchestrator" => orchestrator = true,
-            step if STEPS.contains(&step) => steps.push(role),
-            other => {
-                return Err(format!(
-                    "unknown role {other:?}: use payment, inventory, email, orchestrator or all"
-                ));
-            }
-        }
+        let names: &[&str] = match role {
+            Role::Payment => &["payment"],
+            Role::Inventory => &["inventory"],
+            Role::Email => &["email"],
+            Role::Orchestrator => &[],
+            Role::All => &["payment", "inventory", "email"],
+        };
+        orchestrator |= matches!(role, Role::Orchestrator | Role::All);
+        steps.extend(names.iter().copied());
     }
-    steps.sort();
+    steps.sort_unstable();
     steps.dedup();
-    let roles = steps
+    let steps = steps
         .into_iter()
-        .map(sagabox::ConsumerType::new)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| e.to_string())?;
-    if batch > prefetch {
-        return Err(format!(
-            "--batch {batch} is above --prefetch {prefetch}: a consumer holds at most the prefetch at once"
-        ));
-    }
-    let mut amqp = sagabox::amqp::AmqpConfig::new(amqp_url).with_queue_prefix(queue_prefix);
-    amqp.prefetch = prefetch;
-    let config = sagabox::demo::ServeConfig {
-        roles,
-        orchestrator,
-        amqp,
-        workers,
-        fail_rate,
-        seed,
-        resume_interval: Duration::from_secs(1),
-        batch: usize::from(batch),
-    };
-    sagabox::demo::serve(database_url, config, interrupted())
-        .await
-        .map_err(|e| e.to_string())
+        .filter_map(|name| sagabox::ConsumerType::new(name).ok())
+        .collect();
+    (steps, orchestrator)
 }
 
 /// The inbox configuration the `prune` and `inspect` flags describe.
@@ -355,27 +390,46 @@ fn inbox_config(ttl_days: u64, broker_retention_days: u64, partitions_ahead: u32
         .with_partitions_ahead(partitions_ahead)
 }
 
+/// `months` as a list for people: `2026-01, 2026-02`, or `none`.
+fn list(months: &[sagabox::Month]) -> String {
+    if months.is_empty() {
+        "none".to_owned()
+    } else {
+        months
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Checked here rather than by clap, whose message would quote the URL unredacted.
+    let (name, url) = match &cli.command {
+        Command::Demo { database_url, .. } => ("demo", database_url),
+        Command::Serve { database_url, .. } => ("serve", database_url),
+        Command::Migrate { database_url, .. } => ("migrate", database_url),
+        Command::Prune { database_url, .. } => ("prune", database_url),
+        Command::Inspect { database_url, .. } => ("inspect", database_url),
+        Command::Bench { database_url, .. } => ("bench", database_url),
+    };
+    if let Err(error) = args::database_url(url) {
+        usage_error(name, format_args!("--database-url: {error}"));
+    }
     if let Err(error) = init_tracing(cli.log_format) {
         eprintln!("sagabox: {error}");
         return ExitCode::FAILURE;
     }
-    // Checked here rather than by clap, whose message would quote the URL unredacted.
-    let url = match &cli.command {
-        Command::Demo { database_url, .. }
-        | Command::Serve { database_url, .. }
-        | Command::Migrate { database_url, .. }
-        | Command::Prune { database_url, .. }
-        | Command::Inspect { database_url, .. }
-        | Command::Bench { database_url, .. } => database_url,
-    };
-    if let Err(error) = args::database_url(url) {
-        eprintln!("sagabox: --database-url: {error}");
-        return ExitCode::FAILURE;
+    match run(cli.command).await {
+        Ok(code) | Err(code) => code,
     }
-    match cli.command {
+}
+
+/// Runs one subcommand; `Err` carries the exit status of a failure already reported.
+async fn run(command: Command) -> Result<ExitCode, ExitCode> {
+    match command {
         Command::Demo {
             database_url,
             orders,
@@ -394,12 +448,6 @@ async fn main() -> ExitCode {
             metrics_addr,
             clock_speed,
         } => {
-            if let Some(addr) = metrics_addr
-                && let Err(error) = start_metrics(&addr)
-            {
-                eprintln!("sagabox demo: {error}");
-                return ExitCode::FAILURE;
-            }
             let config = sagabox::demo::DemoConfig {
                 orders,
                 concurrency,
@@ -419,15 +467,23 @@ async fn main() -> ExitCode {
                 clock_speed,
                 clock_start: None,
             };
-            report(
-                "demo",
-                sagabox::demo::run(&database_url, &config).await,
-                json,
-            )
+            if let Err(error) = config.validate() {
+                usage_error("demo", error);
+            }
+            if let Some(addr) = metrics_addr {
+                start_metrics(&addr).map_err(|error| failed("demo", error, json))?;
+            }
+            let summary = sagabox::demo::run(&database_url, &config).await;
+            let verdict = summary.as_ref().ok().map(|summary| summary.verdict);
+            report("demo", summary, json)?;
+            Ok(match verdict {
+                Some(sagabox::demo::Verdict::Ok) => ExitCode::SUCCESS,
+                _ => ExitCode::from(EXIT_DAMAGE),
+            })
         }
         Command::Serve {
             role,
-            amqp_url,
+            transport,
             database_url,
             queue_prefix,
             prefetch,
@@ -437,31 +493,38 @@ async fn main() -> ExitCode {
             seed,
             metrics_addr,
         } => {
-            if let Some(addr) = metrics_addr
-                && let Err(error) = start_metrics(&addr)
-            {
-                eprintln!("sagabox serve: {error}");
-                return ExitCode::FAILURE;
+            if batch > prefetch {
+                usage_error(
+                    "serve",
+                    format_args!(
+                        "--batch {batch} is above --prefetch {prefetch}: a consumer holds at most the prefetch at once"
+                    ),
+                );
             }
-            let served = serve(
-                role,
-                amqp_url,
-                &database_url,
-                queue_prefix,
-                prefetch,
+            let (roles, orchestrator) = split_roles(&role);
+            let mut amqp =
+                sagabox::amqp::AmqpConfig::new(transport).with_queue_prefix(queue_prefix);
+            amqp.prefetch = prefetch;
+            if let Err(error) = amqp.validate() {
+                usage_error("serve", format_args!("--transport: {error}"));
+            }
+            if let Some(addr) = metrics_addr {
+                start_metrics(&addr).map_err(|error| failed("serve", error, false))?;
+            }
+            let config = sagabox::demo::ServeConfig {
+                roles,
+                orchestrator,
+                amqp,
                 workers,
-                batch,
                 fail_rate,
                 seed,
-            )
-            .await;
-            match served {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(error) => {
-                    eprintln!("sagabox serve: {error}");
-                    ExitCode::FAILURE
-                }
-            }
+                resume_interval: Duration::from_secs(1),
+                batch: usize::from(batch),
+            };
+            sagabox::demo::serve(&database_url, config, interrupted())
+                .await
+                .map_err(|error| failed("serve", error, false))?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Prune {
             database_url,
@@ -471,49 +534,27 @@ async fn main() -> ExitCode {
             partitions_ahead,
             force_short_ttl,
         } => {
-            let config = match args::retention_config(
+            let config = args::retention_config(
                 ttl_days,
                 broker_retention_days,
                 partitions_ahead,
                 force_short_ttl,
-            ) {
-                Ok(config) => config,
-                Err(error) => {
-                    eprintln!("sagabox prune: {error}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            match prune(&database_url, config, dry_run).await {
-                Ok(pass) => {
-                    let list = |months: &[sagabox::Month]| {
-                        if months.is_empty() {
-                            "none".to_owned()
-                        } else {
-                            months
-                                .iter()
-                                .map(ToString::to_string)
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        }
-                    };
-                    let verb = if dry_run { "would be " } else { "" };
-                    println!(
-                        "{}: partitions {verb}created: {}",
-                        redact(&database_url),
-                        list(&pass.created)
-                    );
-                    println!(
-                        "{}: partitions {verb}dropped: {}",
-                        redact(&database_url),
-                        list(&pass.dropped)
-                    );
-                    ExitCode::SUCCESS
-                }
-                Err(error) => {
-                    eprintln!("sagabox prune: {error}");
-                    ExitCode::FAILURE
-                }
-            }
+            )
+            .unwrap_or_else(|error| usage_error("prune", error));
+            let pass = prune(&database_url, config, dry_run)
+                .await
+                .map_err(|error| failed("prune", error, false))?;
+            let verb = if dry_run { "would be " } else { "" };
+            let database = redact(&database_url);
+            emit(
+                "prune",
+                format_args!(
+                    "{database}: partitions {verb}created: {}\n{database}: partitions {verb}dropped: {}\n",
+                    list(&pass.created),
+                    list(&pass.dropped)
+                ),
+            )?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Inspect {
             database_url,
@@ -522,11 +563,16 @@ async fn main() -> ExitCode {
             partitions_ahead,
             json,
         } => {
+            let config = inbox_config(ttl_days, broker_retention_days, partitions_ahead);
+            if let Err(error) = config.validate() {
+                usage_error("inspect", error);
+            }
             let options = InspectOptions {
-                config: inbox_config(ttl_days, broker_retention_days, partitions_ahead),
+                config,
                 ..InspectOptions::default()
             };
-            report("inspect", inspect(&database_url, &options).await, json)
+            report("inspect", inspect(&database_url, &options).await, json)?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Bench {
             database_url,
@@ -555,36 +601,38 @@ async fn main() -> ExitCode {
                 seed,
                 modes,
                 timeless,
-                batch,
+                batch: usize::from(batch),
                 prefill,
                 prune_rows,
             };
-            report("bench", bench::run(args).await, json)
+            report("bench", bench::run(args).await, json)?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Migrate {
             database_url,
             partitions_ahead,
         } => {
             let config = InboxConfig::default().with_partitions_ahead(partitions_ahead);
-            match migrate(&database_url, config).await {
-                Ok(created) => {
-                    let created: Vec<String> = created.iter().map(ToString::to_string).collect();
-                    println!(
-                        "migrated {}; partitions created: {}",
-                        redact(&database_url),
-                        if created.is_empty() {
-                            "none (all present)".to_owned()
-                        } else {
-                            created.join(", ")
-                        }
-                    );
-                    ExitCode::SUCCESS
-                }
-                Err(error) => {
-                    eprintln!("sagabox migrate: {error}");
-                    ExitCode::FAILURE
-                }
+            if let Err(error) = config.validate() {
+                usage_error("migrate", error);
             }
+            let created = migrate(&database_url, config)
+                .await
+                .map_err(|error| failed("migrate", error, false))?;
+            let created: Vec<String> = created.iter().map(ToString::to_string).collect();
+            emit(
+                "migrate",
+                format_args!(
+                    "migrated {}; partitions created: {}\n",
+                    redact(&database_url),
+                    if created.is_empty() {
+                        "none (all present)".to_owned()
+                    } else {
+                        created.join(", ")
+                    }
+                ),
+            )?;
+            Ok(ExitCode::SUCCESS)
         }
     }
 }
