@@ -23,7 +23,7 @@ fn start_metrics(addr: &str) -> Result<(), String> {
     #[cfg(feature = "prometheus")]
     {
         let listening = sagabox::metrics::install_prometheus(addr).map_err(|e| e.to_string())?;
-        eprintln!("metrics at http://{listening}/metrics");
+        say(format_args!("metrics at http://{listening}/metrics"));
         Ok(())
     }
     #[cfg(not(feature = "prometheus"))]
@@ -291,6 +291,14 @@ where
     }
 }
 
+/// Writes a line to stderr. Unlike `eprintln!`, which panics when stderr cannot be
+/// written (closed, full, a log shipper gone), a line that cannot be written is dropped:
+/// the exit status still tells the outcome.
+fn say(line: impl Display) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
+}
+
 /// Writes `text` to stdout. A reader that went away (`sagabox demo | head -1`) ends the
 /// command with a failure instead of a panic.
 fn emit(command: &str, text: impl Display) -> Result<(), ExitCode> {
@@ -299,7 +307,9 @@ fn emit(command: &str, text: impl Display) -> Result<(), ExitCode> {
     write!(stdout, "{text}")
         .and_then(|()| stdout.flush())
         .map_err(|error| {
-            eprintln!("sagabox {command}: cannot write the report to stdout: {error}");
+            say(format_args!(
+                "sagabox {command}: cannot write the report to stdout: {error}"
+            ));
             ExitCode::FAILURE
         })
 }
@@ -315,7 +325,7 @@ fn failed(command: &str, error: impl Display, json: bool) -> ExitCode {
             format_args!("{}\n", serde_json::json!({ "error": message })),
         );
     }
-    eprintln!("sagabox {command}: {message}");
+    say(format_args!("sagabox {command}: {message}"));
     ExitCode::FAILURE
 }
 
@@ -419,7 +429,7 @@ async fn main() -> ExitCode {
         usage_error(name, format_args!("--database-url: {error}"));
     }
     if let Err(error) = init_tracing(cli.log_format) {
-        eprintln!("sagabox: {error}");
+        say(format_args!("sagabox: {error}"));
         return ExitCode::FAILURE;
     }
     match run(cli.command).await {
