@@ -18,6 +18,7 @@ use crate::inbox::{InboxError, InboxGuard};
 use crate::metrics;
 use crate::month::Month;
 use crate::store::InboxStore;
+use crate::telemetry::json_list;
 
 /// What one maintenance pass did (or, dry, would do).
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -120,9 +121,9 @@ impl<M: Maintenance> Pruner<M> {
         state.passes += 1;
         match &result {
             Ok(pass) => tracing::info!(
-                created = ?pass.created,
-                dropped = ?pass.dropped,
-                oldest = ?pass.oldest,
+                created = %json_list(&pass.created),
+                dropped = %json_list(&pass.dropped),
+                oldest = pass.oldest.map(|month| month.to_string()).as_deref().unwrap_or("none"),
                 "pruner pass"
             ),
             Err(error) => {

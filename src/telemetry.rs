@@ -7,6 +7,7 @@
 //! step command attempt (`saga`, `saga_id`, `step`, `direction`, `attempt`, `outcome`)
 //! at `debug`. Each is printed once, when it closes, with its fields and its time —
 //! `RUST_LOG=sagabox=debug` shows them; the default (`warn`) shows only problems.
+//! In JSON lines, lists are JSON lists ([`json_list`]).
 //! No span or event carries a database URL: URLs are logged only through
 //! [`redact`](crate::database::redact).
 
@@ -14,8 +15,12 @@ use std::fmt;
 use std::io::IsTerminal;
 use std::str::FromStr;
 
+use serde_json::Value;
+
 use tracing_subscriber::EnvFilter;
-use tracing_subscriber::fmt::format::FmtSpan;
+use tracing_subscriber::fmt::format::{FmtSpan, JsonFields};
+
+mod json;
 
 /// The filter used when `RUST_LOG` is unset: warnings and errors, and `serve`'s up and
 /// stop lines; lapin's own error lines are held back, since every broker failure reaches
@@ -105,12 +110,24 @@ pub fn init_tracing(format: LogFormat) -> Result<(), TelemetryError> {
     let installed = match format {
         LogFormat::Human => builder.try_init(),
         LogFormat::Json => builder
-            .json()
-            .with_current_span(true)
-            .with_span_list(false)
+            .fmt_fields(JsonFields::new())
+            .event_format(json::JsonLines)
             .try_init(),
     };
     installed.map_err(|_| TelemetryError::AlreadyInstalled)
+}
+
+/// A list as a log field's value: JSON text, which a JSON log line carries as a JSON
+/// list and a human line shows as `["a","b"]`. Use it with `%`:
+/// `tracing::info!(queues = %json_list(&queues), "serving")`.
+pub fn json_list<T: fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
+    Value::Array(
+        items
+            .into_iter()
+            .map(|item| Value::String(item.to_string()))
+            .collect(),
+    )
+    .to_string()
 }
 
 #[cfg(test)]

@@ -802,9 +802,11 @@ async fn serve_logs_when_it_is_up_and_when_it_stops() {
         "{up}"
     );
     assert!(broker.contains(":***@"), "the password redacted: {up}");
+    // A list is a JSON list, not a string to parse again.
+    let prefix = &rabbit.config.queue_prefix;
     assert_eq!(
         fields["queues"],
-        format!("{0}.email,{0}.payment", rabbit.config.queue_prefix),
+        serde_json::json!([format!("{prefix}.email"), format!("{prefix}.payment")]),
         "{up}"
     );
     let sent = Command::new("kill")

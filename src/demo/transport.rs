@@ -421,7 +421,7 @@ where
         version = env!("CARGO_PKG_VERSION"),
         database,
         broker = %crate::database::redact(&config.amqp.url),
-        queues = %queues.join(","),
+        queues = %crate::telemetry::json_list(&queues),
         orchestrator = config.orchestrator,
         workers = config.workers,
         prefetch = config.amqp.prefetch,
