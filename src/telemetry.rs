@@ -6,7 +6,8 @@
 //! `consumer_type`, `message_id`, `saga_id`, `outcome`) at `debug`, and `saga.step` per
 //! step command attempt (`saga`, `saga_id`, `step`, `direction`, `attempt`, `outcome`)
 //! at `debug`. Each is printed once, when it closes, with its fields and its time —
-//! `RUST_LOG=sagabox=debug` shows them; the default (`warn`) shows only problems.
+//! `RUST_LOG=sagabox=debug` shows them; the default ([`DEFAULT_FILTER`]) shows only
+//! problems and `serve`'s up and stop lines.
 //! In JSON lines, lists are JSON lists ([`json_list`]).
 //! No span or event carries a database URL: URLs are logged only through
 //! [`redact`](crate::database::redact).

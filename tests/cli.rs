@@ -20,6 +20,7 @@ fn command(args: &[&str]) -> Command {
     command
         .args(args)
         .env_remove("DATABASE_URL")
+        .env_remove("SAGABOX_DATABASE_URL")
         .env_remove("AMQP_URL")
         .env_remove("RUST_LOG")
         .env_remove("SAGABOX_LOG_FORMAT");
@@ -422,18 +423,31 @@ fn demo_then_inspect_and_prune_use_the_same_default_database() {
     );
 }
 
-/// `AMQP_URL` (which the tests read) never moves the demo onto RabbitMQ: only
-/// `--transport` does.
+/// `AMQP_URL` and `DATABASE_URL` (which the tests read) never move the demo onto
+/// RabbitMQ or another database: only `--transport` and `--database-url` (or
+/// `SAGABOX_DATABASE_URL`) do.
 #[test]
-fn amqp_url_in_the_environment_leaves_the_demo_in_process() {
+fn the_tests_variables_in_the_environment_leave_the_demo_on_its_defaults() {
     let dir = Scratch::new();
     let output = command(&["demo", "--orders", "3", "--json"])
         .current_dir(&dir.0)
         .env("AMQP_URL", "amqp://guest:guest@127.0.0.1:1/%2f")
+        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/nowhere")
         .output()
         .unwrap();
     assert!(output.status.success(), "{}", stderr(&output));
-    assert_eq!(json(&output)["transport"], "in-process");
+    let summary = json(&output);
+    assert_eq!(summary["transport"], "in-process");
+    assert_eq!(summary["database"], "sqlite:sagabox.db");
+    assert!(dir.0.join("sagabox.db").exists());
+
+    let output = command(&["demo", "--orders", "3", "--json"])
+        .current_dir(&dir.0)
+        .env("SAGABOX_DATABASE_URL", "sqlite:chosen.db")
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_eq!(json(&output)["database"], "sqlite:chosen.db");
 }
 
 /// Usage errors exit with status 2 and say what was wrong, before any database or
@@ -705,13 +719,18 @@ fn json_carries_failures_and_the_verdict() {
             .unwrap()
             .contains("run `sagabox migrate")
     );
-    let bench = dir.run(&["bench", "--modes", "turbo", "--json"]);
+    let bench = dir.run(&[
+        "bench",
+        "--database-url",
+        "postgres://nobody@127.0.0.1:1/nowhere",
+        "--json",
+    ]);
     assert_eq!(bench.status.code(), Some(1));
     assert!(
         json(&bench)["error"]
             .as_str()
             .unwrap()
-            .contains("unknown mode")
+            .contains("127.0.0.1:1")
     );
 
     let exact = dir.run(&["demo", "--orders", "30", "--json"]);

@@ -120,7 +120,7 @@ macro_rules! demo_suite {
                         "--duplicate-rate", "0.5", "--lost-reply-rate", "0.1", "--fail-rate", "0.1",
                         "--decline-rate", "0.05", "--seed", "9", "--json",
                     ])
-                    .env_remove("DATABASE_URL")
+                    .env_remove("DATABASE_URL").env_remove("SAGABOX_DATABASE_URL")
                     .stdout(Stdio::null())
                     .stderr(Stdio::null())
                     .spawn()
@@ -147,7 +147,7 @@ macro_rules! demo_suite {
 
                 let resumed = Command::new(env!("CARGO_BIN_EXE_sagabox"))
                     .args(["demo", "--database-url", &fx.url, "--resume", "--json", "--seed", "10"])
-                    .env_remove("DATABASE_URL")
+                    .env_remove("DATABASE_URL").env_remove("SAGABOX_DATABASE_URL")
                     .output()
                     .unwrap();
                 assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));

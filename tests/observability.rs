@@ -21,6 +21,7 @@ fn sagabox(args: &[&str], rust_log: Option<&str>) -> Command {
     command
         .args(args)
         .env_remove("DATABASE_URL")
+        .env_remove("SAGABOX_DATABASE_URL")
         .env_remove("SAGABOX_LOG_FORMAT");
     match rust_log {
         Some(filter) => command.env("RUST_LOG", filter),

@@ -91,6 +91,7 @@ fn sagabox(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_sagabox"))
         .args(args)
         .env_remove("DATABASE_URL")
+        .env_remove("SAGABOX_DATABASE_URL")
         // Every log line there is: the password must not be in any of them.
         .env("RUST_LOG", "trace")
         .output()
@@ -203,6 +204,7 @@ async fn the_pruner_refuses_a_short_ttl_unless_forced_and_then_warns() {
             "--force-short-ttl",
         ])
         .env_remove("DATABASE_URL")
+        .env_remove("SAGABOX_DATABASE_URL")
         .env_remove("RUST_LOG")
         .output()
         .unwrap();

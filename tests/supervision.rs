@@ -349,6 +349,7 @@ async fn serve_works_and_stops_cleanly_with_an_unwritable_stderr() {
             &rabbit.config.queue_prefix,
         ])
         .env_remove("DATABASE_URL")
+        .env_remove("SAGABOX_DATABASE_URL")
         .env_remove("AMQP_URL")
         .env("RUST_LOG", "sagabox=debug")
         .stdout(Stdio::null())

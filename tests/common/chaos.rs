@@ -25,6 +25,7 @@ pub fn demo(url: &str, extra: &[&str]) -> Command {
         ])
         .args(extra)
         .env_remove("DATABASE_URL")
+        .env_remove("SAGABOX_DATABASE_URL")
         .env("RUST_LOG", "error");
     command
 }

@@ -190,6 +190,7 @@ impl Rabbit {
                 &seed.to_string(),
             ])
             .env_remove("DATABASE_URL")
+            .env_remove("SAGABOX_DATABASE_URL")
             .env_remove("AMQP_URL")
             .env("RUST_LOG", "error")
             .stdout(std::process::Stdio::null())

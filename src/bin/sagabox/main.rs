@@ -77,7 +77,7 @@ enum Command {
     #[command(allow_negative_numbers = true, after_help = EXIT_STATUS)]
     Demo {
         /// sqlite:path/to/file.db or postgres://user@host:port/db
-        #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
+        #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
         /// Orders to place (with --resume: the resumed run's number is kept).
         #[arg(long, default_value_t = 1000, value_parser = args::count)]
@@ -143,7 +143,7 @@ enum Command {
         #[arg(long, value_name = "URL")]
         transport: String,
         /// postgres://user@host:port/db or sqlite:path/to/file.db
-        #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
+        #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
         /// Queue names are <prefix>.<consumer_type>.
         #[arg(long, default_value = "sagabox")]
@@ -173,7 +173,7 @@ enum Command {
     #[command(allow_negative_numbers = true, after_help = EXIT_STATUS)]
     Inspect {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
-        #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
+        #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
         /// Days a message stays deduplicated (as the inbox is configured).
         #[arg(long, default_value_t = 30)]
@@ -192,7 +192,7 @@ enum Command {
     #[command(allow_negative_numbers = true, after_help = EXIT_STATUS)]
     Migrate {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
-        #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
+        #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
         /// Months ahead of the current one to create partitions for.
         #[arg(long, default_value_t = 2)]
@@ -202,7 +202,7 @@ enum Command {
     #[command(allow_negative_numbers = true, after_help = EXIT_STATUS)]
     Prune {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
-        #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
+        #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
         /// Only report what the pass would do.
         #[arg(long)]
@@ -227,7 +227,7 @@ enum Command {
     Bench {
         /// postgres://user@host:port/db or sqlite:path/to/file.db (a scratch schema in that
         /// database, or a scratch file beside that one, is used and removed)
-        #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
+        #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
         /// Messages per mode (a further 10 % warm up first, unmeasured).
         #[arg(long, default_value_t = 20_000, value_parser = args::at_least_one)]
