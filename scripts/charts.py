@@ -55,9 +55,20 @@ def bench_label(report, path):
 
 def draw_bench(files, out):
     reports = [(path, json.loads(path.read_text())) for path in files]
+    # The full workload on PostgreSQL first, then SQLite, then the variants.
+    reports.sort(
+        key=lambda pr: (
+            bool(pr[1].get("claim_only")),
+            bool(pr[1].get("duplicate_rate")),
+            bool(pr[1].get("timeless")),
+            bool(pr[1].get("with_result")),
+            pr[1]["database"].startswith("sqlite"),
+            pr[0].name,
+        )
+    )
     modes = [m for m in MODES if any(m == r["mode"] for _, rep in reports for r in rep["modes"])]
     width = 0.8 / max(len(reports), 1)
-    fig, ax = plt.subplots(figsize=(9, 5.4))
+    fig, ax = plt.subplots(figsize=(10.5, 5.8))
     for i, (path, report) in enumerate(reports):
         by_mode = {mode["mode"]: mode for mode in report["modes"]}
         xs, ys = [], []
@@ -66,7 +77,13 @@ def draw_bench(files, out):
                 xs.append(j + (i - (len(reports) - 1) / 2) * width)
                 ys.append(by_mode[mode]["ratio_to_raw"])
         bars = ax.bar(xs, ys, width, label=bench_label(report, path))
-        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
+        # raw_sql is 1 by definition: label only the others.
+        labels = [
+            "" if mode == "raw_sql" else f"{by_mode[mode]['ratio_to_raw']:.2f}"
+            for mode in modes
+            if mode in by_mode
+        ]
+        ax.bar_label(bars, labels=labels, fontsize=6.5, padding=2)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(modes)), modes)
     ax.set_ylabel("throughput ÷ raw_sql of the same run")
@@ -89,6 +106,9 @@ def read_soak(path):
             if len(fields) != 6 or not fields[0].isdigit():
                 continue
             elapsed, finished, rate, rss_kb = (int(f) for f in fields[:4])
+            if rss_kb == 0:
+                # The demo had ended before this sample: a partial interval, no process.
+                continue
             rows.append((elapsed, finished, rate, rss_kb / 1024, fields[4], fields[5]))
     if not rows:
         sys.exit(f"{path}: no soak.sh CSV rows (elapsed_s,finished,sagas_per_s,rss_kb,…)")
@@ -113,7 +133,9 @@ def draw_soak(path, out):
     rss_ax.set_ylim(0, max(r[3] for r in rows) * 1.15)
     rss_ax.set_xlabel("elapsed, s (dotted: the pruner dropped the oldest month)")
     rss_ax.grid(alpha=0.3)
-    rate_ax.set_title(f"soak ({path.stem}): {rows[-1][1]:,} sagas finished")
+    rate_ax.set_title(
+        f"soak ({path.stem}): {rows[-1][1]:,} sagas finished at the last sample, {rows[-1][0]} s"
+    )
     fig.tight_layout()
     fig.savefig(out, metadata=SVG_METADATA)
     plt.close(fig)
