@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Soak: `sagabox demo` with the saga issue's faults on a fresh PostgreSQL database,
+# Soak: `sagabox demo` under faults (half the commands delivered twice, 10 % of replies
+# lost, 10 % of handler runs failing after their write, 5 % declines) on a fresh PostgreSQL database,
 # sampled every INTERVAL seconds — sagas finished (by SQL), throughput over the interval,
 # the process's resident memory (VmRSS) and the inbox's partitions (oldest month and
 # count) — then the demo's own summary.

@@ -875,8 +875,7 @@ macro_rules! backend_run {
             let mut running = tokio::task::JoinSet::new();
             for _ in 0..to_place {
                 // Reap the sagas already finished: a finished task is kept until joined,
-                // which over a long run (`--orders 200000`) grew memory by about 1 KB per
-                // order (measured with scripts/soak.sh).
+                // so without this the run's memory would grow with every order placed.
                 while let Some(joined) = running.try_join_next() {
                     joined.map_err(|e| DemoError::Actor(e.to_string()))??;
                 }

@@ -1,7 +1,7 @@
 //! The transactional outbox, write side: a message written with
 //! [`OutboxWriter::publish`] inside the guard's (or any) transaction commits with the
-//! change that causes it, or not at all. A relay (issue 4) publishes pending rows at
-//! least once, in `seq` order per aggregate, and marks them sent; the consumer's inbox
+//! change that causes it, or not at all. A relay (the RabbitMQ transport's `Relay`) publishes
+//! pending rows at least once, in `seq` order per aggregate, and marks them sent; the consumer's inbox
 //! absorbs a second publish, since the row's UUIDv7 is the message id downstream.
 
 use std::collections::BTreeMap;

@@ -546,8 +546,8 @@ macro_rules! backend_runner {
             }
             // The measured messages in rounds, every mode taking its turn in each round:
             // a checkpoint or an autovacuum run then slows every mode alike instead of
-            // whichever happened to be running (one mode after the other, the ratios of
-            // identical runs differed by up to ±0.06). Round boundaries fall on batches.
+            // whichever happened to be running, which would skew that mode's ratio.
+            // Round boundaries fall on batches.
             let rounds = args.rounds.max(1);
             let step = batch.max(1);
             let chunk = (messages.len().div_ceil(rounds).div_ceil(step) * step).max(1);
