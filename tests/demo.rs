@@ -125,6 +125,8 @@ macro_rules! demo_suite {
                     .stderr(Stdio::null())
                     .spawn()
                     .unwrap();
+                // The kill waits for an amount of work, never for a span of time: 300 of
+                // the 3,000 sagas finished, whatever the build's speed.
                 let deadline = Instant::now() + Duration::from_secs(120);
                 loop {
                     let done = sqlx::query_scalar::<_, i64>(
@@ -138,12 +140,12 @@ macro_rules! demo_suite {
                     }
                     assert!(demo.try_wait().unwrap().is_none(), "the demo ended before it could be killed");
                     assert!(Instant::now() < deadline, "the demo made no progress");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
                 }
-                demo.kill().unwrap(); // SIGKILL
-                demo.wait().unwrap();
+                assert!(common::chaos::kill(&mut demo), "the demo had ended before the kill");
+                let placed = fx.scalar("SELECT COUNT(*) FROM demo_orders").await;
                 let unfinished = fx.scalar("SELECT COUNT(*) FROM saga_instances WHERE status NOT IN ('completed', 'compensated')").await;
-                assert!(unfinished > 0, "killed part-way");
+                assert!(placed < 3000 || unfinished > 0, "killed part-way: {placed} placed, {unfinished} unfinished");
 
                 let resumed = Command::new(env!("CARGO_BIN_EXE_sagabox"))
                     .args(["demo", "--database-url", &fx.url, "--resume", "--json", "--seed", "10"])
