@@ -15,7 +15,7 @@ mod common;
 
 use std::fmt::Write as _;
 use std::ops::RangeInclusive;
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use rand::SeedableRng;
@@ -31,6 +31,7 @@ const KILLS: usize = 20;
 const MORE: RangeInclusive<i64> = 1..=50;
 
 use common::chaos::{FINISHED, Moment, PLACED, UNFINISHED, assert_running, count, demo, kill};
+use common::children::Children;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_twenty_times_and_resumed_every_invariant_holds() {
@@ -44,28 +45,31 @@ async fn killed_twenty_times_and_resumed_every_invariant_holds() {
     let loop_started = Instant::now();
 
     for kill_no in 0..KILLS {
-        let mut child: Child = if kill_no == 0 {
-            demo(
-                &fx.url,
-                &["--orders", &ORDERS.to_string(), "--seed", &seed.to_string()],
-            )
-        } else {
-            demo(
-                &fx.url,
-                &["--resume", "--seed", &(seed ^ kill_no as u64).to_string()],
-            )
-        }
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+        // Killed on drop too: a failed test leaves no demo running.
+        let mut child = Children::new(vec![
+            if kill_no == 0 {
+                demo(
+                    &fx.url,
+                    &["--orders", &ORDERS.to_string(), "--seed", &seed.to_string()],
+                )
+            } else {
+                demo(
+                    &fx.url,
+                    &["--resume", "--seed", &(seed ^ kill_no as u64).to_string()],
+                )
+            }
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+        ]);
         let started = Instant::now();
         if kill_no == 0 {
             // A run exists once its size is on record (the setup is one transaction):
             // only from then on can `--resume` finish it.
             let deadline = started + Duration::from_secs(60);
             while count(&fx, "SELECT COUNT(*) FROM demo_run").await == 0 {
-                assert_running(&mut child, "the first run", &journal);
+                assert_running(&mut child[0], "the first run", &journal);
                 assert!(
                     Instant::now() < deadline,
                     "{journal}the first run never started"
@@ -76,10 +80,10 @@ async fn killed_twenty_times_and_resumed_every_invariant_holds() {
         let moment = Moment::random(&mut rng, MORE);
         let from = moment
             .wait(&fx, &journal, || {
-                assert_running(&mut child, "the demo", &journal)
+                assert_running(&mut child[0], "the demo", &journal)
             })
             .await;
-        let landed = kill(&mut child);
+        let landed = kill(&mut child[0]);
         let (finished, placed) = (count(&fx, FINISHED).await, count(&fx, PLACED).await);
         let unfinished = count(&fx, UNFINISHED).await;
         writeln!(
