@@ -123,6 +123,31 @@ async fn participants_in_separate_processes_keep_every_invariant() {
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    // The email participant's inserts are held (the test takes a SHARE lock on
+    // `emails_sent`) until one of them waits: commands are then in flight and the run
+    // cannot end while `rabbitmqctl` closes the connections, however fast the build.
+    let mut hold = fx.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE emails_sent IN SHARE MODE")
+        .execute(&mut *hold)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + common::chaos::STALL;
+    while fx
+        .scalar(
+            "SELECT COUNT(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation \
+             WHERE c.relname = 'emails_sent' AND NOT l.granted \
+             AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .await
+        == 0
+    {
+        check_alive(&mut participants[..]);
+        assert!(
+            Instant::now() < deadline,
+            "no email insert ever waited on the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let dropped = rabbit.close_all_connections();
     // Counted after the last close: orders still to place, or a saga not finished, mean
     // the run had not ended when the connections went.
@@ -132,6 +157,7 @@ async fn participants_in_separate_processes_keep_every_invariant() {
         placed < 1000 || unfinished > 0,
         "the connections were closed after the run had ended"
     );
+    hold.rollback().await.unwrap();
     assert!(
         dropped >= 4,
         "the broker closed the participants' and the orchestrator's connections ({dropped})"
