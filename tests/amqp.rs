@@ -910,11 +910,25 @@ async fn the_relay_rides_through_database_cuts_and_refusals() {
     .unwrap();
     let seed: u64 = rand::random();
     let chaos = {
-        let proxy = Arc::clone(&proxy);
+        let (proxy, pool) = (Arc::clone(&proxy), pg.pool.clone());
         tokio::spawn(async move {
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let sent = async || {
+                sqlx::query_scalar::<_, i64>(
+                    "SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NOT NULL",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap_or(0)
+            };
             for round in 0u32.. {
-                tokio::time::sleep(Duration::from_millis(rng.random_range(50..250))).await;
+                // Each fault waits for an amount of work (more rows sent), not a span of
+                // time: the faults land while rows are still going out, however fast
+                // the relay is.
+                let target = sent().await + rng.random_range(5..=30);
+                while sent().await < target {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
                 if round % 7 == 6 {
                     proxy.refuse();
                     proxy.cut();

@@ -24,6 +24,7 @@ fn faulty(orders: usize) -> DemoConfig {
     }
 }
 
+use common::chaos::{FINISHED, UNFINISHED};
 use common::rabbit::Rabbit;
 use sagabox::demo::DemoTransport;
 
@@ -95,25 +96,84 @@ async fn participants_in_separate_processes_keep_every_invariant() {
     });
     // Part-way through, the broker drops every connection of the run (participants'
     // consumers and the orchestrator's dispatch): all reconnect, and what was in
-    // flight is redelivered and absorbed by the inboxes.
-    let mut dropped = 0;
-    while !demo.is_finished() {
+    // flight is redelivered and absorbed by the inboxes. "Part-way" is an amount of work
+    // counted in the database, not a span of time, so that a fast build is caught
+    // mid-run as surely as a slow one.
+    const PART_WAY: i64 = 200;
+    let mut last = (0, Instant::now());
+    loop {
         check_alive(&mut participants[..]);
-        if dropped == 0 {
-            let done = fx
-                .scalar("SELECT COUNT(*) FROM saga_instances WHERE status IN ('completed', 'compensated')")
-                .await;
-            if done >= 300 {
-                dropped = rabbit.close_all_connections();
-            }
+        if demo.is_finished() {
+            panic!(
+                "the run ended before {PART_WAY} sagas finished: {:?}",
+                demo.await
+            );
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let done = fx.scalar(FINISHED).await;
+        if done >= PART_WAY {
+            break;
+        }
+        if done > last.0 {
+            last = (done, Instant::now());
+        }
+        assert!(
+            last.1.elapsed() < common::chaos::STALL,
+            "the run made no progress for {:?} ({done} sagas finished)",
+            common::chaos::STALL
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    // The email participant's inserts are held (the test takes a SHARE lock on
+    // `emails_sent`) until one of them waits: commands are then in flight and the run
+    // cannot end while `rabbitmqctl` closes the connections, however fast the build.
+    let mut hold = fx.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE emails_sent IN SHARE MODE")
+        .execute(&mut *hold)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + common::chaos::STALL;
+    while fx
+        .scalar(
+            "SELECT COUNT(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation \
+             WHERE c.relname = 'emails_sent' AND NOT l.granted \
+             AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .await
+        == 0
+    {
+        check_alive(&mut participants[..]);
+        assert!(
+            Instant::now() < deadline,
+            "no email insert ever waited on the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let dropped = rabbit.close_all_connections();
+    // Counted after the last close: orders still to place, or a saga not finished, mean
+    // the run had not ended when the connections went.
+    let placed = fx.scalar("SELECT COUNT(*) FROM demo_orders").await;
+    let unfinished = fx.scalar(UNFINISHED).await;
+    assert!(
+        placed < 1000 || unfinished > 0,
+        "the connections were closed after the run had ended"
+    );
+    hold.rollback().await.unwrap();
     assert!(
         dropped >= 4,
         "the broker closed the participants' and the orchestrator's connections ({dropped})"
     );
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while !demo.is_finished() {
+        check_alive(&mut participants[..]);
+        assert!(
+            Instant::now() < deadline,
+            "the run did not finish within 10 minutes of the connections' close ({} sagas finished)",
+            fx.scalar(FINISHED).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let summary = demo.await.unwrap().unwrap();
+    eprintln!("{summary:?}");
     for child in participants.iter_mut() {
         terminate(child);
     }

@@ -331,12 +331,11 @@ macro_rules! orchestrator_suite {
                         let id = create(&store, n).await;
                         orchestrator.send_message(OrchestratorMessage::Drive(id)).unwrap();
                     }
-                    // Let it get part of the way.
-                    for _ in 0..2000 {
-                        if fx.scalar("SELECT COUNT(*) FROM ledger").await >= 60 {
-                            break;
-                        }
-                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    // Let it get part of the way: an amount of work, not a span of time.
+                    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+                    while fx.scalar("SELECT COUNT(*) FROM ledger").await < 60 {
+                        assert!(std::time::Instant::now() < deadline, "the orchestrator made no progress");
+                        tokio::time::sleep(Duration::from_millis(2)).await;
                     }
                 });
                 first.shutdown_background();

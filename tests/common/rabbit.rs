@@ -152,19 +152,30 @@ impl Rabbit {
             listed.status.success(),
             "rabbitmqctl list_connections failed: {listed:?}"
         );
-        let mut closed = 0;
+        // One `rabbitmqctl` per connection, all at once: run one after the other, each
+        // taking its own start-up, the last close would come long after the first.
+        let mut closing = Vec::new();
         for line in String::from_utf8_lossy(&listed.stdout).lines() {
             let Some((pid, properties)) = line.split_once('\t') else {
                 continue;
             };
             if properties.contains(needle) {
-                let status = std::process::Command::new("rabbitmqctl")
-                    .args(["close_connection", pid.trim(), "closed by a sagabox test"])
-                    .output()
-                    .expect("rabbitmqctl close_connection");
-                assert!(status.status.success(), "{status:?}");
-                closed += 1;
+                closing.push(
+                    std::process::Command::new("rabbitmqctl")
+                        .args(["close_connection", pid.trim(), "closed by a sagabox test"])
+                        .stdout(std::process::Stdio::piped())
+                        .stderr(std::process::Stdio::piped())
+                        .spawn()
+                        .expect("rabbitmqctl close_connection"),
+                );
             }
+        }
+        let closed = closing.len();
+        for child in closing {
+            let status = child
+                .wait_with_output()
+                .expect("rabbitmqctl close_connection");
+            assert!(status.status.success(), "{status:?}");
         }
         closed
     }
