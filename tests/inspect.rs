@@ -251,7 +251,12 @@ async fn a_database_without_the_migrations_is_refused_and_a_missing_file_not_cre
     ));
     let url = format!("sqlite:{}", path.display());
     let error = inspect(&url, &InspectOptions::default()).await.unwrap_err();
-    assert!(matches!(error, InspectError::Database { .. }), "{error}");
+    assert!(matches!(error, InspectError::NotMigrated { .. }), "{error}");
+    assert!(
+        error.to_string().contains("there is no file")
+            && error.to_string().contains("run `sagabox migrate"),
+        "{error}"
+    );
     assert!(!path.exists(), "inspect created {}", path.display());
 
     // An empty database: no migrations.
