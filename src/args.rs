@@ -127,6 +127,7 @@ pub fn database_url(url: &str) -> Result<String, ArgError> {
 
 /// `text` with the password of `url` (if it has one) replaced: a parser's message may
 /// quote the part of the URL it choked on.
+#[cfg(feature = "postgres")]
 fn scrub(text: &str, url: &str) -> String {
     let mut text = text.to_owned();
     for secret in passwords(url) {
@@ -138,6 +139,7 @@ fn scrub(text: &str, url: &str) -> String {
 }
 
 /// The password-looking parts of `url`, as [`redact`] hides them.
+#[cfg(feature = "postgres")]
 fn passwords(url: &str) -> Vec<&str> {
     let mut found = Vec::new();
     if let Some((_, rest)) = url.split_once("://")
