@@ -56,6 +56,55 @@ initial_backoff = "1ms"
 max_backoff = "20ms"
 "#;
 
+/// Four steps, the first three with a compensation; the car is always refused, so every
+/// saga compensates the hotel and then the flight.
+const JOURNEY: &str = r#"
+name = "journey"
+
+[[steps]]
+name = "flight"
+consumer_type = "flight"
+command = "book_flight"
+compensation = "cancel_flight"
+timeout = "5s"
+[steps.retry]
+initial_backoff = "1ms"
+max_backoff = "20ms"
+
+[[steps]]
+name = "hotel"
+consumer_type = "hotel"
+command = "book_hotel"
+compensation = "cancel_hotel"
+timeout = "5s"
+[steps.retry]
+initial_backoff = "1ms"
+max_backoff = "20ms"
+
+[[steps]]
+name = "car"
+consumer_type = "car"
+command = "rent_car"
+compensation = "return_car"
+timeout = "5s"
+[steps.retry]
+initial_backoff = "1ms"
+max_backoff = "20ms"
+
+[[steps]]
+name = "notify"
+consumer_type = "notify"
+command = "send_notice"
+timeout = "5s"
+[steps.retry]
+initial_backoff = "1ms"
+max_backoff = "20ms"
+"#;
+
+/// What each step applied, in the order the handlers ran (`seq` from one counter).
+const JOURNAL_DDL: &str =
+    "CREATE TABLE journal (seq BIGINT NOT NULL, saga_id TEXT NOT NULL, kind TEXT NOT NULL)";
+
 const LEDGER_DDL: &str = "CREATE TABLE ledger (saga_id TEXT NOT NULL, kind TEXT NOT NULL)";
 
 /// Appends `(saga, kind)` to the ledger — not idempotent by itself. A `book_*` command
@@ -123,6 +172,94 @@ macro_rules! orchestrator_suite {
                     }
                     Ok(json!({ "kind": envelope.kind }))
                 }
+            }
+
+            /// Journals every command it applies; refuses every car for good.
+            #[derive(Debug, Clone)]
+            struct Journal(Arc<AtomicU64>);
+
+            impl StepHandler<$db> for Journal {
+                async fn handle(
+                    &self,
+                    conn: &mut <$db as sqlx::Database>::Connection,
+                    envelope: &Envelope,
+                ) -> Result<Value, StepError> {
+                    if envelope.kind == "rent_car" {
+                        return Err(StepError::Permanent("no cars left".into()));
+                    }
+                    let seq = i64::try_from(self.0.fetch_add(1, Ordering::SeqCst)).unwrap();
+                    sqlx::query("INSERT INTO journal (seq, saga_id, kind) VALUES ($1, $2, $3)")
+                        .bind(seq)
+                        .bind(envelope.saga_id.clone().unwrap_or_default())
+                        .bind(envelope.kind.as_str())
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(|e| StepError::Retryable(e.to_string()))?;
+                    Ok(Value::Null)
+                }
+            }
+
+            /// A saga refused at its third step undoes the second step before the first,
+            /// each once, under duplicated commands and lost replies: compensations run
+            /// in reverse order.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn compensations_run_in_reverse_order_once_each() {
+                let fx = <$fixture>::new().await;
+                fx.exec(JOURNAL_DDL).await;
+                let definition = Arc::new(SagaDefinition::from_toml_str(JOURNEY).unwrap());
+                let seq = Arc::new(AtomicU64::new(0));
+                let mut dispatch = InProcess::new();
+                for step in definition.steps() {
+                    let guard = InboxGuard::new(fx.store(3).await, InboxConfig::default()).unwrap();
+                    let pool = StepPool::spawn(guard, step.consumer_type().clone(), Journal(seq.clone()), StepPoolConfig { workers: 2, ..StepPoolConfig::default() })
+                        .await
+                        .unwrap();
+                    dispatch = dispatch.with_pool(pool);
+                }
+                let store = fx.store(4).await;
+                let (orchestrator, _) = Actor::spawn(
+                    None,
+                    Orchestrator::new(),
+                    OrchestratorArguments {
+                        definition,
+                        store: store.clone(),
+                        dispatch: Arc::new(Faults::new(dispatch, 0.5, 0.2, 11)),
+                        stats: Arc::default(),
+                    },
+                )
+                .await
+                .unwrap();
+                const SAGAS: usize = 20;
+                for n in 0..SAGAS {
+                    let saga = SagaInstance::new(format!("j-{n:03}"), "journey", json!({ "n": n }), Utc::now());
+                    let mut conn = store.pool().acquire().await.unwrap();
+                    <$store as SagaStore>::insert(&mut conn, &saga).await.unwrap();
+                    drop(conn);
+                    orchestrator.send_message(OrchestratorMessage::Drive(saga.id)).unwrap();
+                }
+                wait_idle(&orchestrator).await;
+                assert_eq!(
+                    fx.scalar("SELECT COUNT(*) FROM saga_instances WHERE status = 'compensated'").await,
+                    SAGAS as i64
+                );
+                let rows: Vec<(String, String)> =
+                    sqlx::query_as("SELECT saga_id, kind FROM journal ORDER BY saga_id, seq")
+                        .fetch_all(&fx.pool)
+                        .await
+                        .unwrap();
+                let mut journeys: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+                for (saga, kind) in rows {
+                    journeys.entry(saga).or_default().push(kind);
+                }
+                assert_eq!(journeys.len(), SAGAS);
+                for (saga, kinds) in journeys {
+                    assert_eq!(
+                        kinds,
+                        ["book_flight", "book_hotel", "cancel_hotel", "cancel_flight"],
+                        "{saga}: undone in reverse order, each once"
+                    );
+                }
+                orchestrator.stop(None);
             }
 
             /// Step pools and an orchestrator on `fx`, with faults.

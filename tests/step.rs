@@ -182,6 +182,22 @@ macro_rules! step_suite {
                 pool.stop().await;
             }
 
+            /// With a single worker there is no other worker to fall back on: the
+            /// second command can only be served by the replacement the pool started.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_pool_of_one_serves_the_next_command_with_the_replacement_worker() {
+                let fx = <$fixture>::new().await;
+                fx.exec(EFFECTS_DDL).await;
+                let step = TestStep::new();
+                let pool = pool(&fx, &step, 1).await;
+                let crashed = pool.deliver(command("one/crash", "panic"), WAIT).await;
+                assert!(matches!(crashed, Err(StepFailure::Retryable(_))), "{crashed:?}");
+                let served = pool.deliver(command("one/next", "apply"), WAIT).await.unwrap();
+                assert!(!served.duplicate);
+                assert_eq!(effects(&fx).await, 1, "only the second command applied");
+                pool.stop().await;
+            }
+
             /// A batch through one worker: fresh ones applied, a duplicate answered with
             /// the first result, a refusal recorded; a batch with a message that asks for
             /// a retry is rolled back and run one by one, so only that one fails.
