@@ -131,4 +131,6 @@ pub use month::Month;
 pub use store::PostgresStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
-pub use store::{BatchClaim, Claimed, FirstDelivery, InboxStore, PartitionCreation};
+pub use store::{
+    BatchClaim, Claimed, FirstDelivery, InboxStore, MaintenanceLock, PartitionCreation,
+};

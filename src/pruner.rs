@@ -31,6 +31,9 @@ pub struct PrunePass {
     pub dry_run: bool,
     /// The oldest partition left, if any.
     pub oldest: Option<Month>,
+    /// Another instance held the maintenance lock, running a pass of its own: this one
+    /// did nothing ([`InboxStore::try_maintenance_lock`]).
+    pub skipped: bool,
 }
 
 /// One maintenance pass over an inbox's partitions.
@@ -54,8 +57,17 @@ impl<S: InboxStore> Maintenance for InboxGuard<S> {
                 dropped: self.expired_partitions().await?,
                 dry_run,
                 oldest: existing.first().copied(),
+                skipped: false,
             }
         } else {
+            // One instance at a time does the work; the others' passes find the lock
+            // taken and do nothing until their next tick.
+            let Some(_lock) = self.store().try_maintenance_lock().await? else {
+                return Ok(PrunePass {
+                    skipped: true,
+                    ..PrunePass::default()
+                });
+            };
             let created = self.prepare_partitions().await?;
             let dropped = self.drop_expired_partitions().await?;
             PrunePass {
@@ -63,6 +75,7 @@ impl<S: InboxStore> Maintenance for InboxGuard<S> {
                 dropped,
                 dry_run,
                 oldest: self.partitions().await?.first().copied(),
+                skipped: false,
             }
         };
         if !dry_run {
@@ -120,6 +133,9 @@ impl<M: Maintenance> Pruner<M> {
         let result = state.maintenance.run_pass(false).await;
         state.passes += 1;
         match &result {
+            Ok(pass) if pass.skipped => {
+                tracing::debug!("pruner pass skipped: another instance holds the maintenance lock");
+            }
             Ok(pass) => tracing::info!(
                 created = %json_list(&pass.created),
                 dropped = %json_list(&pass.dropped),

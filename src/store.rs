@@ -43,6 +43,36 @@ pub struct ClaimKey<'a> {
     pub probe_all: bool,
 }
 
+/// Held by the one instance that runs a maintenance pass ([`InboxStore::try_maintenance_lock`]);
+/// dropping it releases the lock. On PostgreSQL it holds the database session that owns
+/// the lock, and dropping it closes that session: a lock is never left behind in a pool,
+/// and an instance that dies releases it with its connection.
+pub struct MaintenanceLock {
+    _session: Option<Box<dyn Send>>,
+}
+
+impl MaintenanceLock {
+    /// A lock held for as long as `session` (whatever owns it) lives.
+    pub fn held_by(session: impl Send + 'static) -> Self {
+        Self {
+            _session: Some(Box::new(session)),
+        }
+    }
+
+    /// For a store that needs no lock: its own locking already serialises the passes.
+    pub fn not_needed() -> Self {
+        Self { _session: None }
+    }
+}
+
+impl Debug for MaintenanceLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MaintenanceLock")
+            .field("session", &self._session.is_some())
+            .finish()
+    }
+}
+
 /// What [`InboxStore::create_partition`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PartitionCreation {
@@ -171,6 +201,17 @@ pub trait InboxStore: Debug + Send + Sync + 'static {
 
     /// The months that have a partition, oldest first.
     fn partitions(&self) -> impl Future<Output = Result<Vec<Month>, sqlx::Error>> + Send;
+
+    /// Takes the lock that lets one instance at a time run a maintenance pass, without
+    /// waiting: `None` when another instance holds it. Several instances of a service
+    /// each run a pruner; only the one holding this lock does the pass's work. The
+    /// default needs no lock (a store whose own locking serialises the passes, such as
+    /// SQLite's single writer).
+    fn try_maintenance_lock(
+        &self,
+    ) -> impl Future<Output = Result<Option<MaintenanceLock>, sqlx::Error>> + Send {
+        async { Ok(Some(MaintenanceLock::not_needed())) }
+    }
 
     /// Records `month` as pruned, then drops its whole partition (never row by row).
     /// Returns whether it existed.

@@ -248,3 +248,138 @@ macro_rules! pass_suite {
 
 pass_suite!(postgres, common::Pg);
 pass_suite!(sqlite, common::Lite);
+
+/// The advisory lock class of the maintenance lock (`'Sagb'`), as the PostgreSQL store
+/// takes it: a test holds it to stand for another instance in the middle of a pass.
+const MAINTENANCE_CLASS: i32 = 1_398_892_386;
+
+/// What a pruner's passes did, for an instance among several.
+#[derive(Debug, Clone)]
+struct Tallied {
+    inner: InboxGuard<sagabox::PostgresStore>,
+    passes: Arc<std::sync::Mutex<Vec<Result<PrunePass, String>>>>,
+}
+
+impl Maintenance for Tallied {
+    async fn run_pass(&self, dry_run: bool) -> Result<PrunePass, InboxError> {
+        let pass = self.inner.run_pass(dry_run).await;
+        self.passes
+            .lock()
+            .unwrap()
+            .push(pass.as_ref().map(Clone::clone).map_err(ToString::to_string));
+        pass
+    }
+}
+
+/// Three instances on one PostgreSQL inbox, each with its pruner: while another
+/// instance holds the maintenance lock every pass is skipped and changes nothing; once
+/// that instance is gone (its session closed, as when it is killed) the three pruners
+/// take over within an interval, each expired month is dropped exactly once, and no pass
+/// fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_instance_at_a_time_prunes_and_a_dead_holder_is_replaced() {
+    use sqlx::Connection;
+    let fx = common::Pg::new().await;
+    let clock = ManualClock::new(Utc.with_ymd_and_hms(2026, 12, 20, 0, 0, 0).unwrap());
+    let mut guards = Vec::new();
+    for _ in 0..3 {
+        guards.push(
+            InboxGuard::new(
+                fx.store(2).await,
+                InboxConfig::default().with_ttl(Duration::from_secs(14 * 86_400)),
+            )
+            .unwrap()
+            .with_clock(clock.clone()),
+        );
+    }
+    guards[0]
+        .create_partitions(month(2026, 8), month(2026, 12))
+        .await
+        .unwrap();
+
+    // Another instance is in the middle of a pass.
+    let mut holder = sqlx::PgConnection::connect(&fx.url).await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock($1, 0)")
+        .bind(MAINTENANCE_CLASS)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    for guard in &guards {
+        let pass = guard.run_pass(false).await.unwrap();
+        assert!(pass.skipped, "{pass:?}");
+        assert!(
+            pass.created.is_empty() && pass.dropped.is_empty(),
+            "{pass:?}"
+        );
+    }
+    assert_eq!(
+        guards[0].partitions().await.unwrap().len(),
+        5,
+        "nothing changed"
+    );
+
+    // Three pruners, started while the lock is still held; then its holder dies.
+    let mut pruners = Vec::new();
+    let mut tallies = Vec::new();
+    for guard in &guards {
+        let tallied = Tallied {
+            inner: guard.clone(),
+            passes: Arc::default(),
+        };
+        tallies.push(Arc::clone(&tallied.passes));
+        pruners.push(
+            Actor::spawn(
+                None,
+                Pruner::new(),
+                PrunerArguments {
+                    maintenance: tallied,
+                    interval: Duration::from_millis(50),
+                },
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    holder.close().await.unwrap();
+    let done = vec![month(2026, 12), month(2027, 1), month(2027, 2)];
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while guards[0].partitions().await.unwrap() != done {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no pruner took over: {:?}",
+            guards[0].partitions().await.unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A few more passes each, so that a second drop of a month would show.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while tallies
+        .iter()
+        .any(|passes| passes.lock().unwrap().len() < 5)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pruners stopped passing"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for (pruner, handle) in pruners {
+        pruner.stop(None);
+        handle.await.unwrap();
+    }
+    let mut dropped = Vec::new();
+    for passes in &tallies {
+        for pass in passes.lock().unwrap().iter() {
+            let pass = pass
+                .as_ref()
+                .unwrap_or_else(|error| panic!("a pass failed: {error}"));
+            dropped.extend(pass.dropped.iter().copied());
+        }
+    }
+    dropped.sort();
+    assert_eq!(
+        dropped,
+        month(2026, 8).through(month(2026, 11)).collect::<Vec<_>>(),
+        "each expired month dropped exactly once"
+    );
+}

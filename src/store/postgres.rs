@@ -26,7 +26,8 @@ use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Row, Transaction};
 use crate::database::ConnectError;
 use crate::month::Month;
 use crate::store::{
-    BatchClaim, ClaimKey, Claimed, FirstDelivery, InboxStore, PARTITION_PREFIX, PartitionCreation,
+    BatchClaim, ClaimKey, Claimed, FirstDelivery, InboxStore, MaintenanceLock, PARTITION_PREFIX,
+    PartitionCreation,
 };
 
 /// The PostgreSQL migrations, embedded at build time.
@@ -179,6 +180,10 @@ fn first_delivery(row: &PgRow) -> Result<Option<FirstDelivery>, sqlx::Error> {
         },
     )
 }
+
+/// Advisory lock class of the maintenance lock ('Sagb'): a session lock held for a whole
+/// pruner pass, in a class of its own so that no claim key's hash can collide with it.
+const MAINTENANCE_CLASS: i32 = LOCK_CLASS + 1;
 
 /// The advisory lock object that serialises partition DDL and the pruned watermark.
 const DDL_LOCK: i32 = 0;
@@ -529,6 +534,23 @@ impl InboxStore for PostgresStore {
             .collect();
         months.sort();
         Ok(months)
+    }
+
+    async fn try_maintenance_lock(&self) -> Result<Option<MaintenanceLock>, sqlx::Error> {
+        // A session lock, on a connection taken out of the pool: it is released when
+        // the lock is dropped (the connection closes) or the process dies, and never
+        // goes back to the pool still held.
+        let mut session = self.pool.acquire().await?.detach();
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, 0)")
+            .bind(MAINTENANCE_CLASS)
+            .fetch_one(&mut session)
+            .await?;
+        if locked {
+            Ok(Some(MaintenanceLock::held_by(session)))
+        } else {
+            let _ = session.close().await;
+            Ok(None)
+        }
     }
 
     async fn drop_partition(&self, month: Month) -> Result<bool, sqlx::Error> {

@@ -556,6 +556,15 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                 .map_err(|error| failed("prune", error, false))?;
             let verb = if dry_run { "would be " } else { "" };
             let database = redact(&database_url);
+            if pass.skipped {
+                return emit(
+                    "prune",
+                    format_args!(
+                        "{database}: another instance is running a pruner pass; nothing done (try again later)\n"
+                    ),
+                )
+                .map(|()| ExitCode::SUCCESS);
+            }
             emit(
                 "prune",
                 format_args!(
