@@ -39,5 +39,9 @@ while kill -0 "$PID" 2>/dev/null; do
   echo "$((NOW - START)),$DONE,$(( (DONE - LAST) / INTERVAL )),${RSS:-0},${PARTS#sagabox_inbox_}"
   LAST=$DONE
 done
-wait "$PID"
+# The demo exits 3 when it finds damage: the summary is printed either way, then its
+# exit status is the script's.
+rc=0
+wait "$PID" || rc=$?
 cat "$OUT"
+exit "$rc"
