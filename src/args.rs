@@ -210,9 +210,27 @@ pub fn count(text: &str) -> Result<usize, ArgError> {
     whole(text, 0, "of 0 or more")
 }
 
-/// Parses a count of at least 1 (`--concurrency`, `--workers`, `--messages`).
+/// Parses a count of at least 1 (`--messages`).
 pub fn at_least_one(text: &str) -> Result<usize, ArgError> {
     whole(text, 1, "of 1 or more")
+}
+
+/// The most tasks or workers one process runs at once: far above what a database's
+/// connections serve, and far below what would exhaust memory or a semaphore.
+pub const MAX_PARALLEL: usize = 10_000;
+
+/// Parses a number of tasks or workers run at once (`--concurrency`, `--workers`): 1 to
+/// [`MAX_PARALLEL`].
+pub fn parallel(text: &str) -> Result<usize, ArgError> {
+    let expected = "from 1 to 10000";
+    let value = whole(text, 1, expected)?;
+    if value > MAX_PARALLEL {
+        return Err(ArgError::NotACount {
+            value: text.chars().take(64).collect(),
+            expected,
+        });
+    }
+    Ok(value)
 }
 
 /// Parses an AMQP prefetch: 1 to 65535 unacknowledged messages (0 would let the broker
@@ -339,6 +357,7 @@ mod tests {
         assert_eq!(count("0"), Ok(0));
         assert_eq!(count(" 12 "), Ok(12));
         assert_eq!(at_least_one("1"), Ok(1));
+        assert_eq!(parallel("10000"), Ok(10_000));
         assert_eq!(prefetch("65535"), Ok(65535));
         for (refused, expected) in [
             (count("-5"), "\"-5\" is not a whole number of 0 or more"),
@@ -352,6 +371,11 @@ mod tests {
                 "\"0\" is not a whole number from 1 to 65535",
             ),
             (prefetch("65536").map(usize::from), "from 1 to 65535"),
+            (parallel("0"), "\"0\" is not a whole number from 1 to 10000"),
+            (
+                parallel("9999999999999999999"),
+                "is not a whole number from 1 to 10000",
+            ),
         ] {
             let error = refused.unwrap_err().to_string();
             assert!(error.contains(expected), "{error}");

@@ -726,6 +726,10 @@ const SUMMARY_SQL: [(&str, &str); 9] = [
     ),
 ];
 
+/// How long a run that failed waits for the death of an actor to be reported, to name
+/// it as the cause.
+const DEATH_REPORT_WITHIN: Duration = Duration::from_millis(500);
+
 /// One order of the run: what goes into `demo_orders` and the saga's data.
 fn order(rng: &mut StdRng, decline_rate: f64) -> (String, Value) {
     let order_id = Uuid::now_v7().to_string();
@@ -920,7 +924,11 @@ macro_rules! backend_run {
                 done = work => match done {
                     Ok(finished) => finished,
                     // An actor that died makes the calls to it fail: its death is the cause.
-                    Err(error) => return Err(supervision.check().err().map_or(error, DemoError::from)),
+                    // Its report reaches the supervisor just after those calls fail.
+                    Err(error) => {
+                        let died = tokio::time::timeout(DEATH_REPORT_WITHIN, supervision.died()).await;
+                        return Err(died.map_or(error, DemoError::from));
+                    }
                 },
                 died = supervision.died() => return Err(died.into()),
             };

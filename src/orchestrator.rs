@@ -18,9 +18,12 @@
 //! A driver gives up, leaving the saga unfinished with `last_error` set for an operator,
 //! only when going on cannot help: a compensation the step refuses or the inbox rejects
 //! (a saga older than the inbox TTL, a consumer type with no step), or a saga row that
-//! vanished. Stopping the actor aborts its drivers; their sagas resume from the database.
+//! vanished. A driver that panics fails the callers waiting on its saga with
+//! [`DriveError::Panicked`]; that saga is then left out of `ResumeAll` until driven again
+//! by id. Stopping the actor, or its death, aborts its drivers; their sagas resume from
+//! the database.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
@@ -129,7 +132,8 @@ pub enum OrchestratorMessage {
     /// Drive this instance and answer when its driver has finished: `Ok` once the saga
     /// reached a terminal state or was left for an operator, `Err` if its driver crashed.
     Run(String, RpcReplyPort<Result<(), DriveError>>),
-    /// Drive every unfinished instance; answers how many were started.
+    /// Drive every unfinished instance, except those whose driver crashed in this
+    /// orchestrator (until driven again by id); answers how many were started.
     ResumeAll(RpcReplyPort<Result<usize, String>>),
     /// Answer once no instance is in flight.
     WhenIdle(RpcReplyPort<()>),
@@ -142,8 +146,8 @@ pub enum OrchestratorMessage {
 #[non_exhaustive]
 pub enum DriveError {
     /// The driver panicked (a bug in a [`Dispatch`] or in the orchestrator). The saga
-    /// keeps its last stored state; [`OrchestratorMessage::ResumeAll`] or a new `Run`
-    /// drives it again from there.
+    /// keeps its last stored state; a new `Run` or `Drive` of its id drives it again from
+    /// there (`ResumeAll` leaves it alone until then, and a new orchestrator resumes it).
     #[error("the driver of saga {saga_id} panicked: {message}")]
     Panicked {
         /// The saga it was driving.
@@ -175,9 +179,24 @@ pub struct OrchestratorState<St, D> {
     stats: Arc<DriveStats>,
     /// Instances being driven, with whoever waits for each to finish.
     in_flight: HashMap<String, Vec<RpcReplyPort<Result<(), DriveError>>>>,
-    /// The driver tasks, aborted when the actor stops.
-    drivers: HashMap<String, tokio::task::AbortHandle>,
+    /// The driver tasks, aborted when the actor ends however it ends: dropping the state
+    /// (which ractor does without `post_stop` when the actor is killed or fails) aborts
+    /// them too, so a restarted orchestrator never races a stale driver.
+    drivers: HashMap<String, AbortOnDrop>,
+    /// Sagas whose driver panicked: `ResumeAll` leaves them for an operator (or an
+    /// explicit `Run`/`Drive`) instead of crashing their driver again on every pass.
+    crashed: HashSet<String>,
     idle_waiters: Vec<RpcReplyPort<()>>,
+}
+
+/// A task handle that aborts its task when dropped (a plain `AbortHandle` does not).
+#[derive(Debug)]
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// The saga orchestrator actor. Spawn with [`Actor::spawn`] and
@@ -232,7 +251,7 @@ impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
             // The actor may be stopping; then nobody is waiting for this.
             let _ = myself.send_message(OrchestratorMessage::Finished(id, ended));
         });
-        state.drivers.insert(key, task.abort_handle());
+        state.drivers.insert(key, AbortOnDrop(task.abort_handle()));
     }
 }
 
@@ -253,6 +272,7 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
             stats: args.stats,
             in_flight: HashMap::new(),
             drivers: HashMap::new(),
+            crashed: HashSet::new(),
             idle_waiters: Vec::new(),
         })
     }
@@ -263,9 +283,7 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         // Drivers keep their progress in the database; a new orchestrator resumes them.
-        for (_, driver) in state.drivers.drain() {
-            driver.abort();
-        }
+        state.drivers.clear();
         Ok(())
     }
 
@@ -276,14 +294,23 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         match message {
-            OrchestratorMessage::Drive(id) => Self::start(&myself, state, id, None),
-            OrchestratorMessage::Run(id, reply) => Self::start(&myself, state, id, Some(reply)),
+            OrchestratorMessage::Drive(id) => {
+                state.crashed.remove(&id);
+                Self::start(&myself, state, id, None);
+            }
+            OrchestratorMessage::Run(id, reply) => {
+                state.crashed.remove(&id);
+                Self::start(&myself, state, id, Some(reply));
+            }
             OrchestratorMessage::ResumeAll(reply) => {
                 let answer = match state.store.unfinished(state.definition.name()).await {
                     Ok(ids) => {
-                        let count = ids.len();
+                        let mut count = 0;
                         for id in ids {
-                            Self::start(&myself, state, id, None);
+                            if !state.crashed.contains(&id) {
+                                Self::start(&myself, state, id, None);
+                                count += 1;
+                            }
                         }
                         Ok(count)
                     }
@@ -300,7 +327,13 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
             }
             OrchestratorMessage::Finished(id, ended) => {
                 if let Err(error) = &ended {
-                    tracing::error!(saga_id = %id, %error, "saga driver crashed; the saga stays as last stored");
+                    tracing::error!(
+                        saga_id = %id,
+                        %error,
+                        "saga driver crashed; the saga stays as last stored and is not resumed \
+                         until driven again by id (Run or Drive)"
+                    );
+                    state.crashed.insert(id.clone());
                 }
                 state.drivers.remove(&id);
                 for waiter in state.in_flight.remove(&id).into_iter().flatten() {

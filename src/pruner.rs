@@ -111,7 +111,13 @@ pub struct PrunerState<M> {
     timer: JoinHandle<()>,
     passes: u64,
     failures: u64,
+    /// Passes skipped in a row because another instance held the maintenance lock.
+    skipped_in_a_row: u64,
 }
+
+/// Skipped passes in a row after which the pruner warns: one instance's pass normally
+/// ends long before the others' next tick, so a lock held that long is likely stuck.
+const SKIPS_BEFORE_WARNING: u64 = 3;
 
 /// The pruning actor. Spawn it with [`Actor::spawn`] and [`PrunerArguments`].
 #[derive(Debug)]
@@ -134,14 +140,27 @@ impl<M: Maintenance> Pruner<M> {
         state.passes += 1;
         match &result {
             Ok(pass) if pass.skipped => {
-                tracing::debug!("pruner pass skipped: another instance holds the maintenance lock");
+                state.skipped_in_a_row += 1;
+                if state.skipped_in_a_row >= SKIPS_BEFORE_WARNING {
+                    tracing::warn!(
+                        skipped_in_a_row = state.skipped_in_a_row,
+                        "another instance has held the pruner's maintenance lock for several \
+                         passes: if no instance logs finished passes, look for a stuck one \
+                         (a partition detach waiting on a long transaction)"
+                    );
+                } else {
+                    tracing::debug!("pruner pass skipped: another instance holds the maintenance lock");
+                }
             }
-            Ok(pass) => tracing::info!(
+            Ok(pass) => {
+                state.skipped_in_a_row = 0;
+                tracing::info!(
                 created = %json_list(&pass.created),
                 dropped = %json_list(&pass.dropped),
                 oldest = pass.oldest.map(|month| month.to_string()).as_deref().unwrap_or("none"),
                 "pruner pass"
-            ),
+            );
+            }
             Err(error) => {
                 state.failures += 1;
                 metrics::pruner_failure();
@@ -172,6 +191,7 @@ impl<M: Maintenance> Actor for Pruner<M> {
             timer,
             passes: 0,
             failures: 0,
+            skipped_in_a_row: 0,
         })
     }
 

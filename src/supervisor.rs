@@ -60,6 +60,8 @@ enum SupervisorMessage {
     Label(ActorId, String),
     /// Stop every linked actor, the last spawned first, and answer when they are gone.
     Shutdown(RpcReplyPort<()>),
+    /// Answer once every supervision event queued before it was handled.
+    Sync(RpcReplyPort<()>),
 }
 
 /// The supervisor actor: linked actors' deaths go to its watch channel.
@@ -70,6 +72,8 @@ struct SupervisorState {
     /// Linked actors in the order they were labelled, for an orderly shutdown.
     order: Vec<ActorId>,
     died: watch::Sender<Option<ActorDied>>,
+    /// The first death's actor, while its label has not arrived yet (it died at once).
+    unlabelled_death: Option<ActorId>,
     stopping: bool,
 }
 
@@ -87,6 +91,7 @@ impl Actor for Supervisor {
             labels: HashMap::new(),
             order: Vec::new(),
             died,
+            unlabelled_death: None,
             stopping: false,
         })
     }
@@ -99,6 +104,14 @@ impl Actor for Supervisor {
     ) -> Result<(), ActorProcessingErr> {
         match message {
             SupervisorMessage::Label(id, label) => {
+                if state.unlabelled_death == Some(id) {
+                    state.unlabelled_death = None;
+                    state.died.send_modify(|first| {
+                        if let Some(first) = first {
+                            first.actor = label.clone();
+                        }
+                    });
+                }
                 state.order.push(id);
                 state.labels.insert(id, label);
             }
@@ -107,11 +120,27 @@ impl Actor for Supervisor {
                 let children = myself.get_children();
                 for id in state.order.iter().rev() {
                     if let Some(child) = children.iter().find(|child| child.get_id() == *id) {
-                        let _ = child.stop_and_wait(None, None).await;
+                        // Bounded: one actor stuck in its work must not hold the process.
+                        if child
+                            .stop_and_wait(None, Some(STOP_CHILDREN_WITHIN))
+                            .await
+                            .is_err()
+                        {
+                            tracing::warn!(
+                                actor = state.labels.get(id).map(String::as_str).unwrap_or_default(),
+                                "a supervised actor did not stop in time; killed"
+                            );
+                            child.kill();
+                        }
                     }
                 }
                 // Anything linked but never labelled goes too.
-                myself.stop_children_and_wait(None, None).await;
+                myself
+                    .stop_children_and_wait(None, Some(STOP_CHILDREN_WITHIN))
+                    .await;
+                let _ = reply.send(());
+            }
+            SupervisorMessage::Sync(reply) => {
                 let _ = reply.send(());
             }
         }
@@ -152,20 +181,11 @@ impl Actor for Supervisor {
         if state.stopping {
             return Ok(());
         }
-        let actor = state
-            .labels
-            .get(&cell.get_id())
-            .cloned()
-            .unwrap_or_else(|| {
-                format!(
-                    "{} ({})",
-                    cell.get_id(),
-                    cell.get_name().unwrap_or_default()
-                )
-            });
+        let label = state.labels.get(&cell.get_id()).cloned();
+        let actor = label.clone().unwrap_or_else(|| cell.get_id().to_string());
         tracing::error!(%actor, %cause, "a supervised actor died");
         let died = ActorDied { actor, cause };
-        state.died.send_if_modified(|first| {
+        let first = state.died.send_if_modified(|first| {
             // The first death is the cause; later ones are usually its consequences.
             if first.is_none() {
                 *first = Some(died);
@@ -174,6 +194,10 @@ impl Actor for Supervisor {
                 false
             }
         });
+        if first && label.is_none() {
+            // Died before its label arrived: the label names it when it does.
+            state.unlabelled_death = Some(cell.get_id());
+        };
         Ok(())
     }
 }
@@ -231,12 +255,20 @@ impl Supervision {
         Ok((spawned, handle))
     }
 
-    /// The first linked actor that died, if one has.
+    /// The first linked actor that died, if one has, as far as the supervisor has been
+    /// told (see [`Supervision::check_now`]).
     pub fn check(&self) -> Result<(), ActorDied> {
         match &*self.died.borrow() {
             Some(died) => Err(died.clone()),
             None => Ok(()),
         }
+    }
+
+    /// [`Supervision::check`], after the supervisor has handled every death already
+    /// reported to it: an actor that died before this call is seen.
+    pub async fn check_now(&self) -> Result<(), ActorDied> {
+        let _ = ractor::call!(self.actor, SupervisorMessage::Sync);
+        self.check()
     }
 
     /// Resolves when a linked actor fails or is killed, with the first such death; never
@@ -255,7 +287,8 @@ impl Supervision {
     }
 
     /// Stops every linked actor, the last labelled first (each after its work in
-    /// flight), then the supervisor. Deaths during the stop are not reported.
+    /// flight, or killed if it has not stopped within 10 s), then the supervisor.
+    /// Deaths during the stop are not reported.
     pub async fn stop(mut self) {
         let _ = ractor::call!(self.actor, SupervisorMessage::Shutdown);
         self.actor.stop(None);

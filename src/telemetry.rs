@@ -96,7 +96,8 @@ pub fn env_filter() -> Result<EnvFilter, TelemetryError> {
 /// Installs the global subscriber: `RUST_LOG` filters, `format` shapes the lines,
 /// stderr receives them (stdout stays free for reports and `--json` output). Spans are
 /// printed when they close, so each message and each step attempt is one line. A line
-/// that cannot be written is dropped: logging never fails the work it describes.
+/// that cannot be written is dropped: logging never fails the work it describes. With
+/// [`LogFormat::Json`] it also installs a panic hook that logs a panic as one JSON line.
 pub fn init_tracing(format: LogFormat) -> Result<(), TelemetryError> {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(env_filter()?)
@@ -108,6 +109,18 @@ pub fn init_tracing(format: LogFormat) -> Result<(), TelemetryError> {
         // on the same broken stderr — inside whatever actor or task was logging.
         .log_internal_errors(false)
         .with_writer(std::io::stderr);
+    if format == LogFormat::Json {
+        // A panic the process survives (a handler's, caught and retried; a saga driver's)
+        // would otherwise print lines of plain text among the JSON ones.
+        std::panic::set_hook(Box::new(|info| {
+            let location = info
+                .location()
+                .map(|at| format!("{}:{}", at.file(), at.line()))
+                .unwrap_or_default();
+            let message = crate::supervisor::panic_message(info.payload());
+            tracing::error!(target: "panic", %location, panic = %message, "a panic");
+        }));
+    }
     let installed = match format {
         LogFormat::Human => builder.try_init(),
         LogFormat::Json => builder
@@ -118,9 +131,13 @@ pub fn init_tracing(format: LogFormat) -> Result<(), TelemetryError> {
     installed.map_err(|_| TelemetryError::AlreadyInstalled)
 }
 
+/// The event fields that JSON log lines carry as JSON lists when their value is
+/// [`json_list`]'s text. Only these: any other field is written as the text it is.
+pub const LIST_FIELDS: &[&str] = &["queues", "created", "dropped"];
+
 /// A list as a log field's value: JSON text, which a JSON log line carries as a JSON
-/// list and a human line shows as `["a","b"]`. Use it with `%`:
-/// `tracing::info!(queues = %json_list(&queues), "serving")`.
+/// list for a field named in [`LIST_FIELDS`], and a human line shows as `["a","b"]`. Use
+/// it with `%`: `tracing::info!(queues = %json_list(&queues), "serving")`.
 pub fn json_list<T: fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
     Value::Array(
         items

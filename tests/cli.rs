@@ -833,7 +833,14 @@ async fn serve_logs_when_it_is_up_and_when_it_stops() {
         .status()
         .unwrap();
     assert!(sent.success());
-    let status = children[0].wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = children[0].try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "serve did not stop on SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert!(status.success(), "{status}");
     let rest: Vec<serde_json::Value> = lines
         .iter()

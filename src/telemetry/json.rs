@@ -1,8 +1,10 @@
 //! The JSON log line: `{"timestamp", "level", "fields", "target", "span"}`, one object per
-//! event, with the fields of the event's span under `span`. A field whose text is a JSON
-//! list or object (logged with [`json_list`](super::json_list), or any `%` value that
-//! renders as JSON) is written as that JSON value, so a shipper reads `"queues": ["a",
-//! "b"]`, not a string to parse again.
+//! event, with the fields of the event's span under `span`. An event field named in
+//! [`LIST_FIELDS`](super::LIST_FIELDS) whose text is a JSON list (logged with
+//! [`json_list`](super::json_list)) is written as that list, so a shipper reads
+//! `"queues": ["a", "b"]`, not a string to parse again. No other field is ever turned
+//! into JSON: a message id that happens to read `[1]` stays a string, so every field
+//! keeps one type from line to line.
 
 use std::fmt;
 
@@ -51,9 +53,6 @@ where
                 .get::<FormattedFields<N>>()
                 .and_then(|recorded| serde_json::from_str::<Map<String, Value>>(recorded).ok())
                 .unwrap_or_default();
-            for value in object.values_mut() {
-                lift(value);
-            }
             object.insert("name".into(), Value::String(span.name().to_owned()));
             line.insert("span".into(), Value::Object(object));
         }
@@ -61,16 +60,13 @@ where
     }
 }
 
-/// A string holding a JSON list or object becomes that value.
+/// A string holding a JSON list becomes that list.
 fn lift(value: &mut Value) {
-    if let Value::String(text) = value {
-        let trimmed = text.trim_start();
-        if (trimmed.starts_with('[') || trimmed.starts_with('{'))
-            && let Ok(parsed @ (Value::Array(_) | Value::Object(_))) =
-                serde_json::from_str::<Value>(text)
-        {
-            *value = parsed;
-        }
+    if let Value::String(text) = value
+        && text.starts_with('[')
+        && let Ok(parsed @ Value::Array(_)) = serde_json::from_str::<Value>(text)
+    {
+        *value = parsed;
     }
 }
 
@@ -79,7 +75,9 @@ struct Fields<'a>(&'a mut Map<String, Value>);
 
 impl Fields<'_> {
     fn put(&mut self, field: &Field, mut value: Value) {
-        lift(&mut value);
+        if super::LIST_FIELDS.contains(&field.name()) {
+            lift(&mut value);
+        }
         self.0.insert(field.name().to_owned(), value);
     }
 }
@@ -118,12 +116,65 @@ impl Visit for Fields<'_> {
 mod tests {
     use super::*;
     use serde_json::json;
+    use std::sync::{Arc, Mutex};
+    use tracing_subscriber::fmt::format::JsonFields;
+
+    /// Log lines written into memory.
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Lines {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn logged(emit: impl FnOnce()) -> Vec<Value> {
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .fmt_fields(JsonFields::new())
+            .event_format(JsonLines)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, emit);
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        text.lines().map(|line| serde_json::from_str(line).unwrap()).collect()
+    }
 
     #[test]
-    fn json_text_of_a_list_or_object_is_lifted_and_other_text_is_not() {
+    fn list_fields_are_lists_and_every_other_field_keeps_its_text() {
+        let lines = logged(|| {
+            let span = tracing::info_span!("inbox.process", message_id = "[1]");
+            let _entered = span.enter();
+            tracing::info!(
+                queues = %crate::telemetry::json_list(["a.email", "a.payment"]),
+                message_id = "[2]",
+                detail = r#"{"k":1}"#,
+                attempt = 3,
+                "serving"
+            );
+        });
+        let line = &lines[0];
+        assert_eq!(line["fields"]["queues"], json!(["a.email", "a.payment"]), "{line}");
+        assert_eq!(line["fields"]["message_id"], json!("[2]"), "{line}");
+        assert_eq!(line["fields"]["detail"], json!(r#"{"k":1}"#), "{line}");
+        assert_eq!(line["fields"]["attempt"], json!(3), "{line}");
+        assert_eq!(line["fields"]["message"], json!("serving"), "{line}");
+        assert_eq!(line["span"]["message_id"], json!("[1]"), "{line}");
+        assert_eq!(line["span"]["name"], json!("inbox.process"), "{line}");
+        assert_eq!(line["level"], json!("INFO"), "{line}");
+    }
+
+    #[test]
+    fn json_text_of_a_list_is_lifted_and_other_text_is_not() {
         for (text, expected) in [
             (r#"["a","b"]"#, json!(["a", "b"])),
-            (r#"{"k":1}"#, json!({"k": 1})),
+            (r#"{"k":1}"#, json!(r#"{"k":1}"#)),
             ("[not json", json!("[not json")),
             ("plain", json!("plain")),
             ("42", json!("42")),

@@ -82,8 +82,8 @@ enum Command {
         /// Orders to place (with --resume: the resumed run's number is kept).
         #[arg(long, default_value_t = 1000, value_parser = args::count)]
         orders: usize,
-        /// Sagas in flight at once.
-        #[arg(long, default_value_t = 32, value_parser = args::at_least_one)]
+        /// Sagas in flight at once (1 to 10000).
+        #[arg(long, default_value_t = 32, value_parser = args::parallel)]
         concurrency: usize,
         /// Share of step commands delivered twice, concurrently (0..=1).
         #[arg(long, default_value_t = 0.5, value_parser = args::rate)]
@@ -151,8 +151,8 @@ enum Command {
         /// Unacknowledged messages per consumer (AMQP prefetch), 1 to 65535.
         #[arg(long, default_value_t = 32, value_parser = args::prefetch)]
         prefetch: u16,
-        /// Workers per step pool.
-        #[arg(long, default_value_t = 4, value_parser = args::at_least_one)]
+        /// Workers per step pool (1 to 10000).
+        #[arg(long, default_value_t = 4, value_parser = args::parallel)]
         workers: usize,
         /// Commands claimed per batch, in one transaction (1: one at a time; at most
         /// the prefetch).
@@ -164,7 +164,7 @@ enum Command {
         /// Seed of the injected failures.
         #[arg(long, default_value_t = 1)]
         seed: u64,
-        /// Serve Prometheus metrics at HOST:PORT while the demo runs (e.g. 127.0.0.1:9464).
+        /// Serve Prometheus metrics at HOST:PORT while serving (e.g. 127.0.0.1:9464).
         #[arg(long, value_name = "HOST:PORT")]
         metrics_addr: Option<String>,
     },
@@ -232,8 +232,8 @@ enum Command {
         /// Messages per mode (a further 10 % warm up first, unmeasured).
         #[arg(long, default_value_t = 20_000, value_parser = args::at_least_one)]
         messages: usize,
-        /// Concurrent tasks (and pool connections).
-        #[arg(long, default_value_t = 8, value_parser = args::at_least_one)]
+        /// Concurrent tasks (and pool connections), 1 to 10000.
+        #[arg(long, default_value_t = 8, value_parser = args::parallel)]
         concurrency: usize,
         /// Share of messages that repeat an earlier id, 0..=1.
         #[arg(long, default_value_t = 0.0, value_parser = args::rate)]
