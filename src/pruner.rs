@@ -149,17 +149,19 @@ impl<M: Maintenance> Pruner<M> {
                          (a partition detach waiting on a long transaction)"
                     );
                 } else {
-                    tracing::debug!("pruner pass skipped: another instance holds the maintenance lock");
+                    tracing::debug!(
+                        "pruner pass skipped: another instance holds the maintenance lock"
+                    );
                 }
             }
             Ok(pass) => {
                 state.skipped_in_a_row = 0;
                 tracing::info!(
-                created = %json_list(&pass.created),
-                dropped = %json_list(&pass.dropped),
-                oldest = pass.oldest.map(|month| month.to_string()).as_deref().unwrap_or("none"),
-                "pruner pass"
-            );
+                    created = %json_list(&pass.created),
+                    dropped = %json_list(&pass.dropped),
+                    oldest = pass.oldest.map(|month| month.to_string()).as_deref().unwrap_or("none"),
+                    "pruner pass"
+                );
             }
             Err(error) => {
                 state.failures += 1;

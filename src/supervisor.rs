@@ -127,7 +127,8 @@ impl Actor for Supervisor {
                             .is_err()
                         {
                             tracing::warn!(
-                                actor = state.labels.get(id).map(String::as_str).unwrap_or_default(),
+                                actor =
+                                    state.labels.get(id).map(String::as_str).unwrap_or_default(),
                                 "a supervised actor did not stop in time; killed"
                             );
                             child.kill();

@@ -464,7 +464,7 @@ fn usage_errors_exit_with_status_2() {
         ),
         (
             &["demo", "--concurrency", "0"],
-            "\"0\" is not a whole number of 1 or more",
+            "\"0\" is not a whole number from 1 to 10000",
         ),
         (
             &["demo", "--resume", "--clock-speed", "2"],
@@ -516,7 +516,7 @@ fn usage_errors_exit_with_status_2() {
                 "--workers",
                 "0",
             ],
-            "\"0\" is not a whole number of 1 or more",
+            "\"0\" is not a whole number from 1 to 10000",
         ),
         (
             &[
@@ -551,8 +551,12 @@ fn usage_errors_exit_with_status_2() {
             "\"0\" is not a whole number of 1 or more",
         ),
         (
+            &["demo", "--concurrency", "99999999999999999999"],
+            "is not a whole number from 1 to 10000",
+        ),
+        (
             &["bench", "--concurrency", "0"],
-            "\"0\" is not a whole number of 1 or more",
+            "\"0\" is not a whole number from 1 to 10000",
         ),
     ];
     for (args, expected) in cases {

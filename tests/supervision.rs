@@ -176,10 +176,22 @@ async fn a_driver_that_panics_fails_its_callers_and_the_orchestrator_goes_on() {
         .unwrap();
     assert_eq!(resumed, 0);
     ractor::call_t!(orchestrator, OrchestratorMessage::WhenIdle, BOUND_MS).unwrap();
-    assert_eq!(dispatch.calls.load(Ordering::SeqCst), calls, "not driven again");
-    let again = ractor::call_t!(orchestrator, OrchestratorMessage::Run, BOUND_MS, "bad".to_owned())
-        .unwrap();
-    assert!(matches!(again, Err(DriveError::Panicked { .. })), "{again:?}");
+    assert_eq!(
+        dispatch.calls.load(Ordering::SeqCst),
+        calls,
+        "not driven again"
+    );
+    let again = ractor::call_t!(
+        orchestrator,
+        OrchestratorMessage::Run,
+        BOUND_MS,
+        "bad".to_owned()
+    )
+    .unwrap();
+    assert!(
+        matches!(again, Err(DriveError::Panicked { .. })),
+        "{again:?}"
+    );
     assert_eq!(
         supervision.check(),
         Ok(()),

@@ -143,7 +143,9 @@ mod tests {
             .finish();
         tracing::subscriber::with_default(subscriber, emit);
         let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
-        text.lines().map(|line| serde_json::from_str(line).unwrap()).collect()
+        text.lines()
+            .map(|line| serde_json::from_str(line).unwrap())
+            .collect()
     }
 
     #[test]
@@ -160,7 +162,11 @@ mod tests {
             );
         });
         let line = &lines[0];
-        assert_eq!(line["fields"]["queues"], json!(["a.email", "a.payment"]), "{line}");
+        assert_eq!(
+            line["fields"]["queues"],
+            json!(["a.email", "a.payment"]),
+            "{line}"
+        );
         assert_eq!(line["fields"]["message_id"], json!("[2]"), "{line}");
         assert_eq!(line["fields"]["detail"], json!(r#"{"k":1}"#), "{line}");
         assert_eq!(line["fields"]["attempt"], json!(3), "{line}");
