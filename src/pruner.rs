@@ -62,21 +62,28 @@ impl<S: InboxStore> Maintenance for InboxGuard<S> {
         } else {
             // One instance at a time does the work; the others' passes find the lock
             // taken and do nothing until their next tick.
-            let Some(_lock) = self.store().try_maintenance_lock().await? else {
+            let Some(lock) = self.store().try_maintenance_lock().await? else {
                 return Ok(PrunePass {
                     skipped: true,
                     ..PrunePass::default()
                 });
             };
-            let created = self.prepare_partitions().await?;
-            let dropped = self.drop_expired_partitions().await?;
-            PrunePass {
-                created,
-                dropped,
-                dry_run,
-                oldest: self.partitions().await?.first().copied(),
-                skipped: false,
+            let pass = async {
+                let created = self.prepare_partitions().await?;
+                let dropped = self.drop_expired_partitions().await?;
+                Ok::<_, InboxError>(PrunePass {
+                    created,
+                    dropped,
+                    dry_run,
+                    oldest: self.partitions().await?.first().copied(),
+                    skipped: false,
+                })
             }
+            .await;
+            // Released at once, failed pass or not: the next tick of any instance may
+            // take it.
+            lock.release().await;
+            pass?
         };
         if !dry_run {
             metrics::pruner_pass(&pass, self.now());

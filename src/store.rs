@@ -44,31 +44,58 @@ pub struct ClaimKey<'a> {
 }
 
 /// Held by the one instance that runs a maintenance pass ([`InboxStore::try_maintenance_lock`]);
-/// dropping it releases the lock. On PostgreSQL it holds the database session that owns
-/// the lock, and dropping it closes that session: a lock is never left behind in a pool,
-/// and an instance that dies releases it with its connection.
+/// [`MaintenanceLock::release`] gives it up. On PostgreSQL it holds the database session
+/// that owns the lock, outside any pool: release unlocks and closes it, and a lock
+/// dropped without release (a panic, a killed task) closes the session, which frees the
+/// lock too — a lock is never left behind in a pool, and an instance that dies releases
+/// it with its connection.
 pub struct MaintenanceLock {
-    _session: Option<Box<dyn Send>>,
+    session: Session,
+}
+
+enum Session {
+    NotNeeded,
+    #[cfg(feature = "postgres")]
+    Postgres(sqlx::PgConnection),
 }
 
 impl MaintenanceLock {
-    /// A lock held for as long as `session` (whatever owns it) lives.
-    pub fn held_by(session: impl Send + 'static) -> Self {
+    /// For a store that needs no lock: its own locking already serialises the passes.
+    pub fn not_needed() -> Self {
         Self {
-            _session: Some(Box::new(session)),
+            session: Session::NotNeeded,
         }
     }
 
-    /// For a store that needs no lock: its own locking already serialises the passes.
-    pub fn not_needed() -> Self {
-        Self { _session: None }
+    /// The lock held by `session` (a connection outside any pool).
+    #[cfg(feature = "postgres")]
+    pub(crate) fn postgres(session: sqlx::PgConnection) -> Self {
+        Self {
+            session: Session::Postgres(session),
+        }
+    }
+
+    /// Gives the lock up now, so that the next pass of any instance can take it (a
+    /// dropped session frees it only once the server has noticed the closed socket).
+    pub async fn release(self) {
+        match self.session {
+            Session::NotNeeded => {}
+            #[cfg(feature = "postgres")]
+            Session::Postgres(mut session) => {
+                use sqlx::Connection;
+                let _ = sqlx::query("SELECT pg_advisory_unlock_all()")
+                    .execute(&mut session)
+                    .await;
+                let _ = session.close().await;
+            }
+        }
     }
 }
 
 impl Debug for MaintenanceLock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MaintenanceLock")
-            .field("session", &self._session.is_some())
+            .field("session", &!matches!(self.session, Session::NotNeeded))
             .finish()
     }
 }

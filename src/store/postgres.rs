@@ -546,7 +546,7 @@ impl InboxStore for PostgresStore {
             .fetch_one(&mut session)
             .await?;
         if locked {
-            Ok(Some(MaintenanceLock::held_by(session)))
+            Ok(Some(MaintenanceLock::postgres(session)))
         } else {
             let _ = session.close().await;
             Ok(None)
