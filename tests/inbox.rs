@@ -38,13 +38,14 @@ enum Timing {
     Trusted(DateTime<Utc>),
     /// A plain id and no time at all: the slow path.
     Unknown,
-    /// A UUIDv7 id and no publish time.
-    UuidV7,
+    /// A UUIDv7 id minted at this time (the tests' clocks are fixed, so a real-time
+    /// id would drift out of their window) and no publish time.
+    UuidV7(DateTime<Utc>),
 }
 
 fn envelope(id: &str, timing: Timing) -> Envelope {
     let id = match timing {
-        Timing::UuidV7 => MessageId::new_v7(),
+        Timing::UuidV7(t) => MessageId::derive_v7(t, id),
         _ => MessageId::new(id).unwrap(),
     };
     let envelope = Envelope::new(id, "charge", json!({"cents": 100})).unwrap();
@@ -176,14 +177,14 @@ macro_rules! inbox_suite {
             async fn handlers_with_and_without_results_alternate_and_duplicates_get_their_own() {
                 let fx = fixture().await;
                 let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
-                let guard = guard_for(&fx, &clock, 2, Timing::UuidV7).await;
+                let guard = guard_for(&fx, &clock, 2, Timing::UuidV7(at(2026, 12, 2, 9, 0, 0))).await;
                 let payment = consumer("payment");
                 let pattern = [
                     Recording::Nothing, Recording::Nothing, Recording::Result, Recording::Nothing,
                     Recording::Result, Recording::Result, Recording::Nothing,
                 ];
                 let messages: Vec<Envelope> = (0..pattern.len())
-                    .map(|n| envelope(&format!("switch-{n}"), Timing::UuidV7))
+                    .map(|n| envelope(&format!("switch-{n}"), Timing::UuidV7(at(2026, 12, 2, 9, 0, 0))))
                     .collect();
                 let mut firsts = Vec::new();
                 for (message, recording) in messages.iter().zip(pattern) {
@@ -291,10 +292,10 @@ macro_rules! inbox_suite {
             async fn competing_consumers_without_results_apply_each_key_exactly_once() {
                 let fx = fixture().await;
                 let rounds = [
-                    Timing::UuidV7,
+                    Timing::UuidV7(at(2026, 12, 2, 9, 0, 0)),
                     Timing::Trusted(at(2026, 12, 2, 9, 0, 0)),
                     Timing::Unknown,
-                    Timing::UuidV7,
+                    Timing::UuidV7(at(2026, 12, 2, 9, 0, 0)),
                     Timing::Trusted(at(2026, 11, 30, 23, 59, 0)),
                 ];
                 for (round, timing) in rounds.into_iter().enumerate() {
@@ -311,7 +312,7 @@ macro_rules! inbox_suite {
                     Timing::Unknown,
                     Timing::Published(at(2026, 12, 1, 0, 0, 0)),
                     Timing::Unknown,
-                    Timing::UuidV7,
+                    Timing::UuidV7(at(2026, 12, 2, 9, 0, 0)),
                     Timing::Trusted(at(2026, 12, 2, 9, 0, 0)),
                 ];
                 for (round, timing) in rounds.into_iter().enumerate() {
