@@ -281,7 +281,7 @@ pub async fn prune(url: &str, config: InboxConfig, dry_run: bool) -> Result<Prun
 /// For commands that must not create a database: `Some(what)` when the file an `sqlite:`
 /// URL names does not exist; [`ConnectError::SqliteFolderMissing`] when its folder does
 /// not either.
-pub(crate) fn missing_sqlite_file(url: &str) -> Result<Option<String>, ConnectError> {
+pub fn missing_sqlite_file(url: &str) -> Result<Option<String>, ConnectError> {
     check_sqlite_folder(url)?;
     Ok(sqlite_file(url)
         .filter(|path| !path.exists())

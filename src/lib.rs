@@ -79,12 +79,17 @@
 //!   the TTL and the broker, duplicate deliveries absorbed, sagas, the outbox — read by SQL.
 //! - [`metrics`]: the metric catalogue ([`CATALOGUE`](metrics::CATALOGUE)) and the
 //!   Prometheus endpoint ([`install_prometheus`](metrics::install_prometheus)).
-//! - [`telemetry`]: logs and spans — [`init_tracing`](telemetry::init_tracing), human or JSON.
-//! - [`demo`]: the checkout saga behind `sagabox demo`.
+//! - [`testing`]: [`FaultyDispatch`](testing::FaultyDispatch) — duplicated commands and
+//!   lost replies on demand, to test a saga's participants against them.
+//! - [`logging`]: how the library's log events carry lists ([`json_list`](logging::json_list)).
 //! - [`month`]: [`Month`], the partition unit; [`clock`]: [`Clock`], injectable time.
-//! - [`database`]: opening a store from a URL; [`redact`](database::redact) for logs.
-//! - [`args`]: the command line's values (URLs, rates, retention), checked with typed
-//!   errors.
+//! - [`database`]: opening a store from a URL, migrating and pruning by URL, the typed
+//!   connection errors; [`redact`](database::redact) for logs.
+//!
+//! The `sagabox` command (migrate, prune, inspect, bench, demo, serve) is the
+//! `sagabox-cli` package in `cli/`; the example sagas are packages of their own under
+//! `examples/` (`examples/checkout` is the saga behind `sagabox demo`). They use only
+//! this crate's public API.
 //!
 //! `docs/` has the rest: `architecture.md` (the actors and the path of a message),
 //! `guarantees.md` (the contract), `partitioning.md`, `operations.md` (TTL, pruning,
@@ -105,13 +110,12 @@
 
 #[cfg(feature = "rabbitmq")]
 pub mod amqp;
-pub mod args;
 pub mod clock;
 pub mod database;
-pub mod demo;
 pub mod envelope;
 pub mod inbox;
 pub mod inspect;
+pub mod logging;
 pub mod metrics;
 pub mod month;
 pub mod orchestrator;
@@ -121,7 +125,7 @@ pub mod saga;
 pub mod step;
 pub mod store;
 pub mod supervisor;
-pub mod telemetry;
+pub mod testing;
 
 pub use clock::{Clock, InvalidClockSpeed, ManualClock, ScaledClock, SystemClock};
 pub use envelope::{ConsumerType, Envelope, KeyError, MAX_KEY_BYTES, MessageId};

@@ -15,10 +15,10 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::task::JoinHandle;
 
 use crate::inbox::{InboxError, InboxGuard};
+use crate::logging::json_list;
 use crate::metrics;
 use crate::month::Month;
 use crate::store::InboxStore;
-use crate::telemetry::json_list;
 
 /// What one maintenance pass did (or, dry, would do).
 #[derive(Debug, Clone, PartialEq, Default)]

@@ -161,33 +161,11 @@ pub struct StepWorker<S, H> {
     guard: InboxGuard<S>,
     consumer_type: ConsumerType,
     handler: Arc<H>,
-    bypass_inbox: bool,
 }
 
 impl<S: InboxStore, H: StepHandler<S::Db>> StepWorker<S, H> {
     async fn run(&self, envelope: &Envelope) -> Result<StepReply, StepFailure> {
         let handler = &self.handler;
-        if self.bypass_inbox {
-            let applied = self
-                .guard
-                .process_without_inbox(envelope, async |conn, envelope| {
-                    match handler.handle(conn, envelope).await {
-                        Ok(value) => Ok(StepOutcome::Done(value)),
-                        Err(StepError::Permanent(reason)) => Ok(StepOutcome::Refused(reason)),
-                        Err(StepError::Retryable(reason)) => Err(reason),
-                    }
-                    .map(|outcome| outcome.to_record())
-                })
-                .await;
-            return match applied {
-                Ok(record) => Ok(StepReply {
-                    outcome: StepOutcome::from_record(&record),
-                    duplicate: false,
-                }),
-                Err(GuardError::Handler(reason)) => Err(StepFailure::Retryable(reason)),
-                Err(error) => Err(StepFailure::Retryable(error.to_string())),
-            };
-        }
         let processed = self
             .guard
             .process(
@@ -214,41 +192,41 @@ impl<S: InboxStore, H: StepHandler<S::Db>> StepWorker<S, H> {
     /// back, and its envelopes are run one by one instead, so one bad message costs only
     /// its own answer.
     async fn run_batch(&self, envelopes: &[Envelope]) -> Vec<Result<StepReply, StepFailure>> {
-        if !self.bypass_inbox {
-            let handler = &self.handler;
-            let processed =
-                self.guard
-                    .process_batch(&self.consumer_type, envelopes, async |conn, envelope| {
-                        match handler.handle(conn, envelope).await {
-                            Ok(value) => Ok(StepOutcome::Done(value).to_record()),
-                            Err(StepError::Permanent(reason)) => {
-                                Ok(StepOutcome::Refused(reason).to_record())
-                            }
-                            Err(StepError::Retryable(reason)) => Err(reason),
-                        }
-                    })
-                    .await;
-            match processed {
-                Ok(outcomes) => {
-                    return outcomes
-                        .into_iter()
-                        .map(|outcome| outcome.map(reply_of).map_err(failure_of))
-                        .collect();
-                }
-                Err(GuardError::Inbox(error)) if !error.is_retryable() => {
-                    let reason = error.to_string();
-                    return envelopes
-                        .iter()
-                        .map(|_| Err(StepFailure::Rejected(reason.clone())))
-                        .collect();
-                }
-                Err(error) => {
-                    tracing::debug!(
-                        consumer_type = %self.consumer_type,
-                        %error,
-                        "batch rolled back; running its envelopes one by one"
-                    );
-                }
+        let handler = &self.handler;
+        let processed = self
+            .guard
+            .process_batch(
+                &self.consumer_type,
+                envelopes,
+                async |conn, envelope| match handler.handle(conn, envelope).await {
+                    Ok(value) => Ok(StepOutcome::Done(value).to_record()),
+                    Err(StepError::Permanent(reason)) => {
+                        Ok(StepOutcome::Refused(reason).to_record())
+                    }
+                    Err(StepError::Retryable(reason)) => Err(reason),
+                },
+            )
+            .await;
+        match processed {
+            Ok(outcomes) => {
+                return outcomes
+                    .into_iter()
+                    .map(|outcome| outcome.map(reply_of).map_err(failure_of))
+                    .collect();
+            }
+            Err(GuardError::Inbox(error)) if !error.is_retryable() => {
+                let reason = error.to_string();
+                return envelopes
+                    .iter()
+                    .map(|_| Err(StepFailure::Rejected(reason.clone())))
+                    .collect();
+            }
+            Err(error) => {
+                tracing::debug!(
+                    consumer_type = %self.consumer_type,
+                    %error,
+                    "batch rolled back; running its envelopes one by one"
+                );
             }
         }
         let mut replies = Vec::with_capacity(envelopes.len());
@@ -299,18 +277,11 @@ impl<S: InboxStore, H: StepHandler<S::Db>> Worker for StepWorker<S, H> {
 pub struct StepPoolConfig {
     /// Competing workers. Defaults to 4.
     pub workers: usize,
-    /// Run handlers without the inbox: every delivery applied, duplicates included. Only
-    /// for showing what the inbox prevents (`sagabox demo --no-inbox`). Defaults to
-    /// `false`.
-    pub bypass_inbox: bool,
 }
 
 impl Default for StepPoolConfig {
     fn default() -> Self {
-        Self {
-            workers: 4,
-            bypass_inbox: false,
-        }
+        Self { workers: 4 }
     }
 }
 
@@ -383,7 +354,6 @@ impl StepPool {
                     guard: guard.clone(),
                     consumer_type: consumer_type.clone(),
                     handler: Arc::clone(&handler),
-                    bypass_inbox: config.bypass_inbox,
                 };
                 (worker, ())
             })

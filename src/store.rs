@@ -160,11 +160,6 @@ pub trait InboxStore: Debug + Send + Sync + 'static {
         write_row_at: Option<DateTime<Utc>>,
     ) -> impl Future<Output = Result<(Transaction<'static, Self::Db>, Claimed), sqlx::Error>> + Send;
 
-    /// Begins a transaction with no claim (for [`InboxGuard::process_without_inbox`](crate::InboxGuard::process_without_inbox)).
-    fn begin_plain(
-        &self,
-    ) -> impl Future<Output = Result<Transaction<'static, Self::Db>, sqlx::Error>> + Send;
-
     /// Records the claimed key with the handler's result. Returns `false` when a row for
     /// the key already exists in the bucket (nothing was written).
     fn record(

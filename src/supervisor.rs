@@ -35,7 +35,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 /// The text of a panic's payload (`panic!` with a string or a format).
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     payload
         .downcast_ref::<&str>()
         .map(|text| (*text).to_owned())

@@ -14,10 +14,11 @@ use std::time::Duration;
 use chrono::Utc;
 use ractor::Actor;
 use sagabox::orchestrator::{
-    DriveStats, Faults, InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage,
+    DriveStats, InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage,
 };
 use sagabox::saga::{SagaDefinition, SagaInstance, SagaStore};
 use sagabox::step::{StepError, StepHandler, StepPool, StepPoolConfig};
+use sagabox::testing::FaultyDispatch;
 use sagabox::{Envelope, InboxConfig, InboxGuard};
 use serde_json::{Value, json};
 
@@ -211,7 +212,7 @@ macro_rules! orchestrator_suite {
                 let mut dispatch = InProcess::new();
                 for step in definition.steps() {
                     let guard = InboxGuard::new(fx.store(3).await, InboxConfig::default()).unwrap();
-                    let pool = StepPool::spawn(guard, step.consumer_type().clone(), Journal(seq.clone()), StepPoolConfig { workers: 2, ..StepPoolConfig::default() })
+                    let pool = StepPool::spawn(guard, step.consumer_type().clone(), Journal(seq.clone()), StepPoolConfig { workers: 2 })
                         .await
                         .unwrap();
                     dispatch = dispatch.with_pool(pool);
@@ -223,7 +224,7 @@ macro_rules! orchestrator_suite {
                     OrchestratorArguments {
                         definition,
                         store: store.clone(),
-                        dispatch: Arc::new(Faults::new(dispatch, 0.5, 0.2, 11)),
+                        dispatch: Arc::new(FaultyDispatch::new(dispatch, 0.5, 0.2, 11)),
                         stats: Arc::default(),
                     },
                 )
@@ -273,7 +274,7 @@ macro_rules! orchestrator_suite {
                 let mut dispatch = InProcess::new();
                 for step in trip().steps() {
                     let guard = InboxGuard::new(fx.store(4).await, InboxConfig::default()).unwrap();
-                    let pool = StepPool::spawn(guard, step.consumer_type().clone(), Handler(ledger.clone()), StepPoolConfig { workers: 3, ..StepPoolConfig::default() })
+                    let pool = StepPool::spawn(guard, step.consumer_type().clone(), Handler(ledger.clone()), StepPoolConfig { workers: 3 })
                         .await
                         .unwrap();
                     dispatch = dispatch.with_pool(pool);
@@ -286,7 +287,7 @@ macro_rules! orchestrator_suite {
                     OrchestratorArguments {
                         definition: trip(),
                         store: store.clone(),
-                        dispatch: Arc::new(Faults::new(dispatch, duplicate_rate, lost_reply_rate, seed)),
+                        dispatch: Arc::new(FaultyDispatch::new(dispatch, duplicate_rate, lost_reply_rate, seed)),
                         stats: stats.clone(),
                     },
                 )

@@ -89,7 +89,7 @@ macro_rules! step_suite {
 
             async fn pool(fx: &$fixture, step: &Arc<TestStep>, workers: usize) -> StepPool {
                 let guard = InboxGuard::new(fx.store(workers as u32 + 1).await, InboxConfig::default()).unwrap();
-                StepPool::spawn(guard, ConsumerType::new("payment").unwrap(), Handler(step.clone()), StepPoolConfig { workers, ..StepPoolConfig::default() })
+                StepPool::spawn(guard, ConsumerType::new("payment").unwrap(), Handler(step.clone()), StepPoolConfig { workers })
                     .await
                     .unwrap()
             }

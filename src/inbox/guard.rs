@@ -268,30 +268,6 @@ impl<S: InboxStore> InboxGuard<S> {
         }
     }
 
-    /// Runs `handler` in a plain transaction **without the inbox**: no claim, no record,
-    /// every delivery applied. Only for demonstrating what the inbox prevents
-    /// (`sagabox demo --no-inbox`); never use it to consume messages.
-    pub async fn process_without_inbox<F, E>(
-        &self,
-        envelope: &Envelope,
-        handler: F,
-    ) -> Result<Value, GuardError<E>>
-    where
-        F: AsyncFnOnce(&mut <S::Db as Database>::Connection, &Envelope) -> Result<Value, E>,
-    {
-        let mut tx = self.store.begin_plain().await?;
-        match handler(&mut *tx, envelope).await {
-            Ok(result) => {
-                tx.commit().await?;
-                Ok(result)
-            }
-            Err(error) => {
-                tx.rollback().await.ok();
-                Err(GuardError::Handler(error))
-            }
-        }
-    }
-
     /// Decides where a message is filed and where its claim looks, and refuses the ones
     /// that cannot be deduplicated safely.
     ///

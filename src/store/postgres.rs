@@ -390,10 +390,6 @@ impl InboxStore for PostgresStore {
         Ok(done.rows_affected())
     }
 
-    async fn begin_plain(&self) -> Result<Transaction<'static, Self::Db>, sqlx::Error> {
-        self.pool.begin().await
-    }
-
     async fn record(
         &self,
         tx: &mut Transaction<'static, Postgres>,

@@ -232,10 +232,6 @@ impl InboxStore for SqliteStore {
         Ok(written)
     }
 
-    async fn begin_plain(&self) -> Result<Transaction<'static, Self::Db>, sqlx::Error> {
-        self.pool.begin_with("BEGIN IMMEDIATE").await
-    }
-
     async fn record(
         &self,
         tx: &mut Transaction<'static, Sqlite>,

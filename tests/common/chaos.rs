@@ -17,7 +17,7 @@ use rand::rngs::StdRng;
 
 /// `sagabox demo` on `url` with the saga issue's fault rates and `--json`, plus `extra`.
 pub fn demo(url: &str, extra: &[&str]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_sagabox"));
+    let mut command = Command::new(super::sagabox_bin());
     command
         .args([
             "demo",

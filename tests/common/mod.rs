@@ -20,6 +20,15 @@ use sqlx::postgres::PgPool;
 use sqlx::sqlite::SqlitePool;
 use sqlx::{AssertSqlSafe, Connection, PgConnection};
 
+/// The `sagabox` binary, for the tests of the package that builds it (`cli/`): the
+/// other packages' tests share these helpers but never start the binary.
+pub fn sagabox_bin() -> PathBuf {
+    match option_env!("CARGO_BIN_EXE_sagabox") {
+        Some(path) => PathBuf::from(path),
+        None => panic!("only the sagabox-cli package's tests start the sagabox binary"),
+    }
+}
+
 /// The default server for tests.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 

@@ -184,7 +184,7 @@ impl Rabbit {
     /// fixture's queues, failing 10 % of handler runs (seeded). Its stderr is piped, for a
     /// test to show when the process dies.
     pub fn serve(&self, role: &str, database_url: &str, seed: u64) -> std::process::Child {
-        std::process::Command::new(env!("CARGO_BIN_EXE_sagabox"))
+        std::process::Command::new(super::sagabox_bin())
             .args([
                 "serve",
                 "--role",

@@ -11,6 +11,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::fmt::Write as _;

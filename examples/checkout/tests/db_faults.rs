@@ -10,6 +10,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::sync::Arc;
@@ -21,7 +22,6 @@ use common::proxy::FaultProxy;
 use ractor::Actor;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use sagabox::demo::{Checkout, POSTGRES_TABLES};
 use sagabox::orchestrator::{
     DriveStats, InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage,
 };
@@ -32,6 +32,7 @@ use sagabox::{
     ConsumerType, Envelope, GuardError, InboxConfig, InboxError, InboxGuard, MessageId, Outcome,
     PostgresStore,
 };
+use sagabox_checkout::{Checkout, POSTGRES_TABLES};
 use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
@@ -361,10 +362,7 @@ max_backoff = "500ms"
             guard,
             step.consumer_type().clone(),
             Checkout::new(0.0, 1),
-            StepPoolConfig {
-                workers: 4,
-                ..StepPoolConfig::default()
-            },
+            StepPoolConfig { workers: 4 },
         )
         .await
         .unwrap();

@@ -13,24 +13,17 @@ use std::time::Duration;
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use sagabox::InboxConfig;
-use sagabox::args::{self, DEFAULT_DATABASE_URL};
 use sagabox::database::{migrate, prune, redact};
 use sagabox::inspect::{InspectOptions, inspect};
-use sagabox::telemetry::{LogFormat, init_tracing};
+use sagabox_cli::args::{self, DEFAULT_DATABASE_URL};
+use sagabox_cli::telemetry::{LogFormat, init_tracing};
 
 /// Starts the Prometheus endpoint, or says why the build has none.
 fn start_metrics(addr: &str) -> Result<(), String> {
-    #[cfg(feature = "prometheus")]
     {
         let listening = sagabox::metrics::install_prometheus(addr).map_err(|e| e.to_string())?;
         say(format_args!("metrics at http://{listening}/metrics"));
         Ok(())
-    }
-    #[cfg(not(feature = "prometheus"))]
-    {
-        Err(format!(
-            "--metrics-addr {addr}: this build has no Prometheus endpoint; rebuild with the `prometheus` feature"
-        ))
     }
 }
 
@@ -101,7 +94,8 @@ enum Command {
         /// deliveries and retries meet is the scheduler's, so counts vary between runs.
         #[arg(long, default_value_t = 1)]
         seed: u64,
-        /// Bypass the inbox: the control that shows the damage.
+        /// Defeat the inbox (every delivery under a new message id): the control that
+        /// shows the damage.
         #[arg(long)]
         no_inbox: bool,
         /// Resume a killed run: finish its unfinished sagas, then place the orders it had
@@ -458,7 +452,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             metrics_addr,
             clock_speed,
         } => {
-            let config = sagabox::demo::DemoConfig {
+            let config = sagabox_checkout::DemoConfig {
                 orders,
                 concurrency,
                 duplicate_rate,
@@ -469,7 +463,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                 no_inbox,
                 resume,
                 progress: true,
-                transport: transport.map(|url| sagabox::demo::DemoTransport {
+                transport: transport.map(|url| sagabox_checkout::DemoTransport {
                     url,
                     queue_prefix,
                     external_participants,
@@ -483,11 +477,11 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             if let Some(addr) = metrics_addr {
                 start_metrics(&addr).map_err(|error| failed("demo", error, json))?;
             }
-            let summary = sagabox::demo::run(&database_url, &config).await;
+            let summary = sagabox_checkout::run(&database_url, &config).await;
             let verdict = summary.as_ref().ok().map(|summary| summary.verdict);
             report("demo", summary, json)?;
             Ok(match verdict {
-                Some(sagabox::demo::Verdict::Ok) => ExitCode::SUCCESS,
+                Some(sagabox_checkout::Verdict::Ok) => ExitCode::SUCCESS,
                 _ => ExitCode::from(EXIT_DAMAGE),
             })
         }
@@ -521,7 +515,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             if let Some(addr) = metrics_addr {
                 start_metrics(&addr).map_err(|error| failed("serve", error, false))?;
             }
-            let config = sagabox::demo::ServeConfig {
+            let config = sagabox_checkout::ServeConfig {
                 roles,
                 orchestrator,
                 amqp,
@@ -531,7 +525,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                 resume_interval: Duration::from_secs(1),
                 batch: usize::from(batch),
             };
-            sagabox::demo::serve(&database_url, config, interrupted())
+            sagabox_checkout::serve(&database_url, config, interrupted())
                 .await
                 .map_err(|error| failed("serve", error, false))?;
             Ok(ExitCode::SUCCESS)

@@ -1,4 +1,4 @@
-//! The checkout demo behind `sagabox demo` and `examples/checkout.rs`: payment →
+//! The checkout example saga and the demo behind `sagabox demo`: payment →
 //! inventory → email, with refund and restock as compensations, run by the orchestrator
 //! over step pools under injected duplicates, lost replies, failures after the write and
 //! declined cards — and a summary whose `double_*` and `stock_drift` figures are read
@@ -6,12 +6,15 @@
 //!
 //! The business tables are deliberately not idempotent (append-only ledgers, a stock
 //! counter): the inbox is what keeps them exact. `--no-inbox` runs the same saga with
-//! the guard bypassed, to show the damage.
+//! every delivery under a new message id ([`FreshIds`]), so the inbox recognises no
+//! repeat, to show the damage. Written against the library's public API alone.
 
+mod faults;
 mod transport;
 
+pub use faults::FreshIds;
+
 pub use transport::{DemoDispatch, ORCHESTRATOR, SERVE_TARGET, kinds_of};
-#[cfg(feature = "rabbitmq")]
 pub use transport::{Participants, ServeConfig, serve};
 
 use std::fmt;
@@ -27,20 +30,21 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-use crate::clock::{Clock, ScaledClock};
-use crate::database::{Backend, redact};
-use crate::inbox::{InboxConfig, InboxError, InboxGuard};
-use crate::month::Month;
-use crate::orchestrator::{
-    DriveError, DriveStats, Faults, Orchestrator, OrchestratorArguments, OrchestratorMessage,
+use sagabox::clock::{Clock, ScaledClock};
+use sagabox::database::{Backend, redact};
+use sagabox::inbox::{InboxConfig, InboxError, InboxGuard};
+use sagabox::month::Month;
+use sagabox::orchestrator::{
+    DriveError, DriveStats, Orchestrator, OrchestratorArguments, OrchestratorMessage,
 };
-use crate::pruner::{Maintenance, PrunePass, Pruner, PrunerArguments};
-use crate::saga::{DefinitionError, SagaDefinition, SagaInstance, SagaStore};
-use crate::step::{StepError, StepHandler, StepPoolConfig};
-use crate::supervisor::{ActorDied, Supervision};
+use sagabox::pruner::{Maintenance, PrunePass, Pruner, PrunerArguments};
+use sagabox::saga::{DefinitionError, SagaDefinition, SagaInstance, SagaStore};
+use sagabox::step::{StepError, StepHandler, StepPoolConfig};
+use sagabox::supervisor::{ActorDied, Supervision};
+use sagabox::testing::FaultyDispatch;
 
 /// The checkout saga, as shipped in `sagas/checkout.toml`.
-pub const CHECKOUT_TOML: &str = include_str!("../sagas/checkout.toml");
+pub const CHECKOUT_TOML: &str = include_str!("../../../sagas/checkout.toml");
 
 /// Stock keeping units in the demo's inventory.
 const SKUS: [&str; 5] = [
@@ -69,7 +73,8 @@ pub struct DemoConfig {
     pub decline_rate: f64,
     /// Seed of every random choice. Defaults to 1.
     pub seed: u64,
-    /// Bypass the inbox (the control experiment). Defaults to `false`.
+    /// Defeat the inbox, every delivery under a new message id (the control
+    /// experiment). Defaults to `false`.
     pub no_inbox: bool,
     /// Resume an interrupted run: finish every unfinished saga, then place the orders
     /// that run had not placed yet. Defaults to `false`.
@@ -110,9 +115,9 @@ impl DemoTransport {
         }
     }
 
-    #[cfg(feature = "rabbitmq")]
-    fn amqp(&self) -> crate::amqp::AmqpConfig {
-        crate::amqp::AmqpConfig::new(self.url.clone()).with_queue_prefix(self.queue_prefix.clone())
+    fn amqp(&self) -> sagabox::amqp::AmqpConfig {
+        sagabox::amqp::AmqpConfig::new(self.url.clone())
+            .with_queue_prefix(self.queue_prefix.clone())
     }
 }
 
@@ -151,9 +156,9 @@ pub enum DemoError {
     Inbox(#[from] InboxError),
     /// The database could not be opened or reached (boxed: it is the largest variant).
     #[error(transparent)]
-    Connect(Box<crate::database::ConnectError>),
+    Connect(Box<sagabox::database::ConnectError>),
     /// The database failed.
-    #[error("database error: {}", crate::database::describe(.0))]
+    #[error("database error: {}", sagabox::database::describe(.0))]
     Database(#[from] sqlx::Error),
     /// `resume` was asked on a database with no demo run on record.
     #[error(
@@ -174,13 +179,12 @@ pub enum DemoError {
     #[error(transparent)]
     Drive(#[from] DriveError),
     /// RabbitMQ failed.
-    #[cfg(feature = "rabbitmq")]
     #[error(transparent)]
-    Broker(#[from] crate::amqp::AmqpError),
+    Broker(#[from] sagabox::amqp::AmqpError),
 }
 
-impl From<crate::database::ConnectError> for DemoError {
-    fn from(error: crate::database::ConnectError) -> Self {
+impl From<sagabox::database::ConnectError> for DemoError {
+    fn from(error: sagabox::database::ConnectError) -> Self {
         DemoError::Connect(Box::new(error))
     }
 }
@@ -235,15 +239,8 @@ impl DemoConfig {
                 ));
             }
         }
-        #[cfg(feature = "rabbitmq")]
         if let Some(transport) = &self.transport {
             transport.amqp().validate()?;
-        }
-        #[cfg(not(feature = "rabbitmq"))]
-        if self.transport.is_some() {
-            return Err(DemoError::Config(
-                "--transport needs the rabbitmq feature; rebuild with it".into(),
-            ));
         }
         Ok(())
     }
@@ -288,7 +285,7 @@ pub struct DemoSummary {
     pub database: String,
     /// How commands travelled: `in-process`, or the broker URL (password redacted).
     pub transport: String,
-    /// Whether the inbox was bypassed.
+    /// Whether the inbox was defeated (every delivery under a new message id).
     pub no_inbox: bool,
     /// Orders in the demo tables.
     pub orders: i64,
@@ -473,7 +470,7 @@ impl Checkout {
     }
 }
 
-fn order_field<'a>(envelope: &'a crate::Envelope, name: &str) -> Result<&'a Value, StepError> {
+fn order_field<'a>(envelope: &'a sagabox::Envelope, name: &str) -> Result<&'a Value, StepError> {
     envelope
         .payload
         .get(name)
@@ -503,7 +500,7 @@ macro_rules! checkout_handler {
             async fn handle(
                 &self,
                 conn: &mut <$db as sqlx::Database>::Connection,
-                envelope: &crate::Envelope,
+                envelope: &sagabox::Envelope,
             ) -> Result<Value, StepError> {
                 let order_id = text(order_field(envelope, "order_id")?, "order_id")?;
                 let exists = async |conn: &mut <$db as sqlx::Database>::Connection,
@@ -632,13 +629,11 @@ macro_rules! checkout_handler {
     };
 }
 
-#[cfg(feature = "postgres")]
 checkout_handler!(
     sqlx::Postgres,
     Some("SELECT 1 FROM demo_orders WHERE id = $1 FOR UPDATE")
 );
 // SQLite: every claim holds the single write lock (BEGIN IMMEDIATE) until it commits.
-#[cfg(feature = "sqlite")]
 checkout_handler!(sqlx::Sqlite, None::<&'static str>);
 
 /// The demo's business tables on PostgreSQL (`CREATE TABLE IF NOT EXISTS`). The
@@ -821,7 +816,7 @@ macro_rules! backend_run {
             let to_place = target.saturating_sub(usize::try_from(placed).unwrap_or(0));
 
             let handler = Checkout::new(config.fail_rate, config.seed ^ 0x5eed);
-            let pool_config = StepPoolConfig { workers: 4, bypass_inbox: config.no_inbox };
+            let pool_config = StepPoolConfig { workers: 4 };
             let dispatch = DemoDispatch::start(
                 &guard,
                 &definition,
@@ -839,8 +834,8 @@ macro_rules! backend_run {
                 OrchestratorArguments {
                     definition: Arc::clone(&definition),
                     store: store.clone(),
-                    dispatch: Arc::new(Faults::new(
-                        Arc::clone(&dispatch),
+                    dispatch: Arc::new(FaultyDispatch::new(
+                        FreshIds::new(Arc::clone(&dispatch), config.no_inbox),
                         config.duplicate_rate,
                         config.lost_reply_rate,
                         config.seed,
@@ -987,15 +982,18 @@ macro_rules! backend_run {
     };
 }
 
-#[cfg(feature = "postgres")]
 backend_run!(
     run_postgres,
-    crate::PostgresStore,
+    sagabox::PostgresStore,
     sqlx::Postgres,
     POSTGRES_TABLES
 );
-#[cfg(feature = "sqlite")]
-backend_run!(run_sqlite, crate::SqliteStore, sqlx::Sqlite, SQLITE_TABLES);
+backend_run!(
+    run_sqlite,
+    sagabox::SqliteStore,
+    sqlx::Sqlite,
+    SQLITE_TABLES
+);
 
 /// Runs the checkout demo on the database at `url` (`sqlite:…` or `postgres://…`).
 ///
@@ -1007,21 +1005,19 @@ backend_run!(run_sqlite, crate::SqliteStore, sqlx::Sqlite, SQLITE_TABLES);
 pub async fn run(url: &str, config: &DemoConfig) -> Result<DemoSummary, DemoError> {
     config.validate()?;
     // Nothing to resume where there is no database: do not create one to say so.
-    if config.resume && matches!(crate::database::missing_sqlite_file(url), Ok(Some(_))) {
+    if config.resume && matches!(sagabox::database::missing_sqlite_file(url), Ok(Some(_))) {
         return Err(DemoError::NothingToResume {
             database: redact(url),
         });
     }
     let connections = u32::try_from(config.concurrency.clamp(4, 64)).unwrap_or(16);
     match Backend::of(url)? {
-        #[cfg(feature = "postgres")]
         Backend::Postgres => {
-            let store = crate::PostgresStore::connect(url, connections).await?;
+            let store = sagabox::PostgresStore::connect(url, connections).await?;
             run_postgres(url, store, config).await
         }
-        #[cfg(feature = "sqlite")]
         Backend::Sqlite => {
-            let store = crate::SqliteStore::connect(url, connections.min(8)).await?;
+            let store = sagabox::SqliteStore::connect(url, connections.min(8)).await?;
             run_sqlite(url, store, config).await
         }
         #[allow(unreachable_patterns)]

@@ -6,6 +6,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::io::BufRead;
@@ -398,7 +399,10 @@ fn demo_then_inspect_and_prune_use_the_same_default_database() {
     let dir = Scratch::new();
     let demo = dir.run(&["demo", "--orders", "5", "--json"]);
     assert!(demo.status.success(), "{}", stderr(&demo));
-    assert_eq!(json(&demo)["database"], sagabox::args::DEFAULT_DATABASE_URL);
+    assert_eq!(
+        json(&demo)["database"],
+        sagabox_cli::args::DEFAULT_DATABASE_URL
+    );
     let inspect = dir.run(&["inspect", "--json"]);
     assert!(inspect.status.success(), "{}", stderr(&inspect));
     let report = json(&inspect);

@@ -5,6 +5,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::process::{Command, Output};

@@ -4,12 +4,13 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use sagabox::demo::{DemoConfig, run};
+use sagabox_checkout::{DemoConfig, run};
 
 fn faulty(orders: usize) -> DemoConfig {
     DemoConfig {
@@ -26,7 +27,7 @@ fn faulty(orders: usize) -> DemoConfig {
 
 use common::chaos::{FINISHED, UNFINISHED};
 use common::rabbit::Rabbit;
-use sagabox::demo::DemoTransport;
+use sagabox_checkout::DemoTransport;
 
 const ROLES: [&str; 3] = ["payment", "inventory", "email"];
 

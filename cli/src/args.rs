@@ -9,8 +9,8 @@
 
 use std::time::Duration;
 
-use crate::database::{Backend, redact};
-use crate::inbox::{ConfigError, InboxConfig};
+use sagabox::database::{Backend, redact};
+use sagabox::inbox::{ConfigError, InboxConfig};
 
 /// The longest URL accepted, in bytes: far beyond any real one, and it keeps a pasted
 /// file or a runaway variable out of logs.
@@ -72,7 +72,7 @@ pub enum ArgError {
     ClockSpeedNotANumber(String),
     /// A clock speed out of range.
     #[error(transparent)]
-    ClockSpeed(#[from] crate::clock::InvalidClockSpeed),
+    ClockSpeed(#[from] sagabox::clock::InvalidClockSpeed),
     /// A count that is not a whole number within its range (negative, zero where at
     /// least one is needed, too large, or not a number at all).
     #[error("{value:?} is not a whole number {expected}")]
@@ -109,7 +109,6 @@ pub fn database_url(url: &str) -> Result<String, ArgError> {
         });
     }
     match Backend::of(url) {
-        #[cfg(feature = "postgres")]
         Ok(Backend::Postgres) => {
             use std::str::FromStr;
             sqlx::postgres::PgConnectOptions::from_str(url).map_err(|error| {
@@ -127,7 +126,6 @@ pub fn database_url(url: &str) -> Result<String, ArgError> {
 
 /// `text` with the password of `url` (if it has one) replaced: a parser's message may
 /// quote the part of the URL it choked on.
-#[cfg(feature = "postgres")]
 fn scrub(text: &str, url: &str) -> String {
     let mut text = text.to_owned();
     for secret in passwords(url) {
@@ -139,7 +137,6 @@ fn scrub(text: &str, url: &str) -> String {
 }
 
 /// The password-looking parts of `url`, as [`redact`] hides them.
-#[cfg(feature = "postgres")]
 fn passwords(url: &str) -> Vec<&str> {
     let mut found = Vec::new();
     if let Some((_, rest)) = url.split_once("://")
@@ -202,7 +199,7 @@ pub fn clock_speed(text: &str) -> Result<f64, ArgError> {
         .trim()
         .parse()
         .map_err(|_| ArgError::ClockSpeedNotANumber(text.chars().take(64).collect()))?;
-    Ok(crate::clock::ScaledClock::check_speed(value)?)
+    Ok(sagabox::clock::ScaledClock::check_speed(value)?)
 }
 
 /// Parses a count of 0 or more (`--orders`).

@@ -6,6 +6,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::net::SocketAddr;

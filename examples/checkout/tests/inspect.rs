@@ -5,15 +5,16 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use chrono::{TimeDelta, Utc};
-use sagabox::demo::{DemoConfig, run};
 use sagabox::inspect::{InspectError, InspectOptions, inspect, inspect_at};
 use sagabox::{ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId, Month, Outcome};
+use sagabox_checkout::{DemoConfig, run};
 use serde_json::json;
 
 fn faulty(orders: usize) -> DemoConfig {

@@ -1,7 +1,7 @@
 //! The JSON log line: `{"timestamp", "level", "fields", "target", "span"}`, one object per
 //! event, with the fields of the event's span under `span`. An event field named in
-//! [`LIST_FIELDS`](super::LIST_FIELDS) whose text is a JSON list (logged with
-//! [`json_list`](super::json_list)) is written as that list, so a shipper reads
+//! [`LIST_FIELDS`](sagabox::logging::LIST_FIELDS) whose text is a JSON list (logged with
+//! [`json_list`](sagabox::logging::json_list)) is written as that list, so a shipper reads
 //! `"queues": ["a", "b"]`, not a string to parse again. No other field is ever turned
 //! into JSON: a message id that happens to read `[1]` stays a string, so every field
 //! keeps one type from line to line.
@@ -75,7 +75,7 @@ struct Fields<'a>(&'a mut Map<String, Value>);
 
 impl Fields<'_> {
     fn put(&mut self, field: &Field, mut value: Value) {
-        if super::LIST_FIELDS.contains(&field.name()) {
+        if sagabox::logging::LIST_FIELDS.contains(&field.name()) {
             lift(&mut value);
         }
         self.0.insert(field.name().to_owned(), value);
@@ -154,7 +154,7 @@ mod tests {
             let span = tracing::info_span!("inbox.process", message_id = "[1]");
             let _entered = span.enter();
             tracing::info!(
-                queues = %crate::telemetry::json_list(["a.email", "a.payment"]),
+                queues = %sagabox::logging::json_list(["a.email", "a.payment"]),
                 message_id = "[2]",
                 detail = r#"{"k":1}"#,
                 attempt = 3,

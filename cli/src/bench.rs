@@ -365,7 +365,6 @@ macro_rules! backend_runner {
                 let steps = if mode == Mode::Actor {
                     let config = StepPoolConfig {
                         workers: args.concurrency,
-                        ..StepPoolConfig::default()
                     };
                     Some(Arc::new(
                         StepPool::spawn(

@@ -1,4 +1,4 @@
-//! Log and trace output for the `sagabox` binary and for services built on the crate:
+//! Log and trace output for the `sagabox` binary and for services built on the library:
 //! [`init_tracing`] installs a `tracing` subscriber filtered by `RUST_LOG`, writing to
 //! stderr as human-readable lines or as one JSON object per line ([`LogFormat`]).
 //!
@@ -8,15 +8,13 @@
 //! at `debug`. Each is printed once, when it closes, with its fields and its time —
 //! `RUST_LOG=sagabox=debug` shows them; the default ([`DEFAULT_FILTER`]) shows only
 //! problems and `serve`'s up and stop lines.
-//! In JSON lines, lists are JSON lists ([`json_list`]).
+//! In JSON lines, lists are JSON lists ([`json_list`](sagabox::logging::json_list)).
 //! No span or event carries a database URL: URLs are logged only through
-//! [`redact`](crate::database::redact).
+//! [`redact`](sagabox::database::redact).
 
 use std::fmt;
 use std::io::IsTerminal;
 use std::str::FromStr;
-
-use serde_json::Value;
 
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::fmt::format::{FmtSpan, JsonFields};
@@ -117,7 +115,7 @@ pub fn init_tracing(format: LogFormat) -> Result<(), TelemetryError> {
                 .location()
                 .map(|at| format!("{}:{}", at.file(), at.line()))
                 .unwrap_or_default();
-            let message = crate::supervisor::panic_message(info.payload());
+            let message = sagabox::supervisor::panic_message(info.payload());
             tracing::error!(target: "panic", %location, panic = %message, "a panic");
         }));
     }
@@ -129,23 +127,6 @@ pub fn init_tracing(format: LogFormat) -> Result<(), TelemetryError> {
             .try_init(),
     };
     installed.map_err(|_| TelemetryError::AlreadyInstalled)
-}
-
-/// The event fields that JSON log lines carry as JSON lists when their value is
-/// [`json_list`]'s text. Only these: any other field is written as the text it is.
-pub const LIST_FIELDS: &[&str] = &["queues", "created", "dropped"];
-
-/// A list as a log field's value: JSON text, which a JSON log line carries as a JSON
-/// list for a field named in [`LIST_FIELDS`], and a human line shows as `["a","b"]`. Use
-/// it with `%`: `tracing::info!(queues = %json_list(&queues), "serving")`.
-pub fn json_list<T: fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
-    Value::Array(
-        items
-            .into_iter()
-            .map(|item| Value::String(item.to_string()))
-            .collect(),
-    )
-    .to_string()
 }
 
 #[cfg(test)]

@@ -3,27 +3,24 @@
 //! that resumes unfinished sagas) as a long-running process behind `sagabox serve`.
 
 use std::collections::BTreeSet;
-#[cfg(feature = "rabbitmq")]
 use std::future::Future;
-#[cfg(feature = "rabbitmq")]
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Checkout, DemoError};
-use crate::Envelope;
-use crate::envelope::ConsumerType;
-use crate::inbox::InboxGuard;
-use crate::orchestrator::{Dispatch, InProcess};
-use crate::saga::SagaDefinition;
-use crate::step::{StepFailure, StepHandler, StepPool, StepPoolConfig, StepReply};
-use crate::store::InboxStore;
-use crate::supervisor::Supervision;
+use crate::{Checkout, DemoError};
+use sagabox::Envelope;
+use sagabox::envelope::ConsumerType;
+use sagabox::inbox::InboxGuard;
+use sagabox::orchestrator::{Dispatch, InProcess};
+use sagabox::saga::SagaDefinition;
+use sagabox::step::{StepFailure, StepHandler, StepPool, StepPoolConfig, StepReply};
+use sagabox::store::InboxStore;
+use sagabox::supervisor::Supervision;
 
-#[cfg(feature = "rabbitmq")]
-use crate::amqp::{AmqpConfig, AmqpDispatch, ConsumerHandle, serve_step, serve_step_batched};
+use sagabox::amqp::{AmqpConfig, AmqpDispatch, ConsumerHandle, serve_step, serve_step_batched};
 
 /// The log target of `serve`'s lifecycle lines (up, stopping, stopped), which
-/// [`DEFAULT_FILTER`](crate::telemetry::DEFAULT_FILTER) shows at `info`.
+/// the default log filter of the `sagabox` command shows at `info`.
 pub const SERVE_TARGET: &str = "sagabox::serve";
 
 /// The consumer type the orchestrator's replies are deduplicated as.
@@ -43,7 +40,6 @@ pub fn kinds_of(definition: &SagaDefinition, consumer_type: &ConsumerType) -> BT
 }
 
 /// The longest timeout of `consumer_type`'s steps: how long a served command may take.
-#[cfg(feature = "rabbitmq")]
 fn timeout_of(definition: &SagaDefinition, consumer_type: &ConsumerType) -> Duration {
     definition
         .steps()
@@ -83,14 +79,12 @@ where
 }
 
 /// Participants served over RabbitMQ: each role's step pool behind its queue.
-#[cfg(feature = "rabbitmq")]
 #[derive(Debug)]
 pub struct Participants {
     consumers: Vec<ConsumerHandle>,
     pools: Vec<Arc<StepPool>>,
 }
 
-#[cfg(feature = "rabbitmq")]
 impl Participants {
     /// Starts a step pool and a consumer of its queue for every role; with `batch` > 1,
     /// the commands a consumer holds at once are claimed in batches of up to `batch`.
@@ -157,7 +151,6 @@ pub enum DemoDispatch {
     InProcess(InProcess),
     /// Commands and replies through RabbitMQ; participants in this process too unless
     /// they run elsewhere (`sagabox serve`).
-    #[cfg(feature = "rabbitmq")]
     Amqp {
         /// The orchestrator's side.
         dispatch: Box<AmqpDispatch>,
@@ -173,7 +166,7 @@ impl DemoDispatch {
         definition: &SagaDefinition,
         handler: &Checkout,
         pool_config: &StepPoolConfig,
-        transport: Option<&super::DemoTransport>,
+        transport: Option<&crate::DemoTransport>,
         supervision: &Supervision,
     ) -> Result<Self, DemoError>
     where
@@ -195,7 +188,6 @@ impl DemoDispatch {
                 }
                 Ok(DemoDispatch::InProcess(dispatch))
             }
-            #[cfg(feature = "rabbitmq")]
             Some(transport) => {
                 let amqp = transport.amqp();
                 let participants = if transport.external_participants {
@@ -227,10 +219,6 @@ impl DemoDispatch {
                     participants,
                 })
             }
-            #[cfg(not(feature = "rabbitmq"))]
-            Some(_) => Err(DemoError::Config(
-                "--transport needs the rabbitmq feature; rebuild with it".into(),
-            )),
         }
     }
 
@@ -238,7 +226,6 @@ impl DemoDispatch {
     pub async fn stop(self) {
         match self {
             DemoDispatch::InProcess(dispatch) => dispatch.stop().await,
-            #[cfg(feature = "rabbitmq")]
             DemoDispatch::Amqp {
                 dispatch,
                 participants,
@@ -263,7 +250,6 @@ impl Dispatch for DemoDispatch {
             DemoDispatch::InProcess(dispatch) => {
                 dispatch.dispatch(consumer_type, envelope, timeout).await
             }
-            #[cfg(feature = "rabbitmq")]
             DemoDispatch::Amqp { dispatch, .. } => {
                 dispatch.dispatch(consumer_type, envelope, timeout).await
             }
@@ -272,7 +258,6 @@ impl Dispatch for DemoDispatch {
 }
 
 /// What `sagabox serve` runs.
-#[cfg(feature = "rabbitmq")]
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
     /// The step roles to serve (`payment`, `inventory`, `email`).
@@ -296,13 +281,12 @@ pub struct ServeConfig {
 /// Serves `config.roles` (and an orchestrator, if asked) on the database at `url` until
 /// `shutdown` resolves; then stops consuming, lets in-flight messages finish, and
 /// returns.
-#[cfg(feature = "rabbitmq")]
 pub async fn serve(
     url: &str,
     config: ServeConfig,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), DemoError> {
-    use crate::database::{Backend, redact};
+    use sagabox::database::{Backend, redact};
     if !(0.0..1.0).contains(&config.fail_rate) {
         return Err(DemoError::Config(format!(
             "--fail-rate must be within 0..1, got {}",
@@ -323,28 +307,25 @@ pub async fn serve(
     .unwrap_or(32)
     .min(64);
     match Backend::of(url)? {
-        #[cfg(feature = "postgres")]
         Backend::Postgres => {
-            let store = crate::PostgresStore::connect(url, connections).await?;
-            sqlx::raw_sql(super::POSTGRES_TABLES)
+            let store = sagabox::PostgresStore::connect(url, connections).await?;
+            sqlx::raw_sql(crate::POSTGRES_TABLES)
                 .execute(store.pool())
                 .await?;
             serve_on(store, &redact(url), config, shutdown).await
         }
-        #[cfg(feature = "sqlite")]
         Backend::Sqlite => {
-            let store = crate::SqliteStore::connect(url, connections.min(8)).await?;
-            sqlx::raw_sql(super::SQLITE_TABLES)
+            let store = sagabox::SqliteStore::connect(url, connections.min(8)).await?;
+            sqlx::raw_sql(crate::SQLITE_TABLES)
                 .execute(store.pool())
                 .await?;
             serve_on(store, &redact(url), config, shutdown).await
         }
         #[allow(unreachable_patterns)]
-        _ => Err(crate::InboxError::UnsupportedUrl(redact(url)).into()),
+        _ => Err(sagabox::InboxError::UnsupportedUrl(redact(url)).into()),
     }
 }
 
-#[cfg(feature = "rabbitmq")]
 async fn serve_on<S>(
     store: S,
     database: &str,
@@ -352,15 +333,15 @@ async fn serve_on<S>(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), DemoError>
 where
-    S: InboxStore + crate::saga::SagaStore,
+    S: InboxStore + sagabox::saga::SagaStore,
     Checkout: StepHandler<<S as InboxStore>::Db>,
 {
-    use crate::inbox::{InboxConfig, InboxError};
-    use crate::orchestrator::{
+    use sagabox::inbox::{InboxConfig, InboxError};
+    use sagabox::orchestrator::{
         DriveStats, Orchestrator, OrchestratorArguments, OrchestratorMessage,
     };
 
-    let definition = Arc::new(SagaDefinition::from_toml_str(super::CHECKOUT_TOML)?);
+    let definition = Arc::new(SagaDefinition::from_toml_str(crate::CHECKOUT_TOML)?);
     let guard = InboxGuard::new(store.clone(), InboxConfig::default()).map_err(InboxError::from)?;
     guard.migrate().await?;
     let handler = Checkout::new(config.fail_rate, config.seed);
@@ -371,7 +352,6 @@ where
         .map_err(|e| DemoError::Actor(e.to_string()))?;
     let pool_config = StepPoolConfig {
         workers: config.workers.max(1),
-        bypass_inbox: false,
     };
     let participants = Participants::start(
         &guard,
@@ -420,8 +400,8 @@ where
         target: SERVE_TARGET,
         version = env!("CARGO_PKG_VERSION"),
         database,
-        broker = %crate::database::redact(&config.amqp.url),
-        queues = %crate::telemetry::json_list(&queues),
+        broker = %sagabox::database::redact(&config.amqp.url),
+        queues = %sagabox::logging::json_list(&queues),
         orchestrator = config.orchestrator,
         workers = config.workers,
         prefetch = config.amqp.prefetch,

@@ -1,0 +1,195 @@
+//! The checkout example's handlers and runner through the library alone, on a real
+//! PostgreSQL: a refund that must wait for a charge still running, and a failed run
+//! that leaves no actor behind.
+
+#![allow(clippy::unwrap_used)]
+
+#[path = "../../../tests/common/mod.rs"]
+mod common;
+
+use std::time::{Duration, Instant};
+
+use sagabox_checkout::{DemoConfig, run};
+
+fn faulty(orders: usize) -> DemoConfig {
+    DemoConfig {
+        orders,
+        concurrency: 32,
+        duplicate_rate: 0.5,
+        lost_reply_rate: 0.1,
+        fail_rate: 0.1,
+        decline_rate: 0.05,
+        seed: 42,
+        ..DemoConfig::default()
+    }
+}
+
+/// PostgreSQL only (SQLite runs one writer at a time): the payment step gives up on a
+/// charge that is still running (its timeout passes while the charge's transaction is
+/// open) and the refund starts at once. The refund must see the charge — not refund 0
+/// while the charge commits after it.
+mod late_charge {
+    use std::sync::Arc;
+
+    use chrono::Utc;
+    use ractor::Actor;
+    use sagabox::orchestrator::{
+        DriveStats, InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage,
+    };
+    use sagabox::saga::{SagaDefinition, SagaInstance, SagaStore};
+    use sagabox::step::{StepError, StepHandler, StepPool, StepPoolConfig};
+    use sagabox::{Envelope, InboxConfig, InboxGuard};
+    use sagabox_checkout::{Checkout, POSTGRES_TABLES};
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    const IMPATIENT: &str = r#"
+name = "checkout"
+[[steps]]
+name = "payment"
+consumer_type = "payment"
+command = "charge"
+compensation = "refund"
+timeout = "50ms"
+[steps.retry]
+max_attempts = 1
+[[steps]]
+name = "email"
+consumer_type = "email"
+command = "send_confirmation"
+timeout = "5s"
+"#;
+
+    /// The charge stays open for a while after writing.
+    #[derive(Debug)]
+    struct SlowCharge(Checkout);
+
+    impl StepHandler<sqlx::Postgres> for SlowCharge {
+        async fn handle(
+            &self,
+            conn: &mut sqlx::PgConnection,
+            envelope: &Envelope,
+        ) -> Result<Value, StepError> {
+            let result = StepHandler::<sqlx::Postgres>::handle(&self.0, conn, envelope).await;
+            if envelope.kind == "charge" {
+                tokio::time::sleep(Duration::from_millis(400)).await;
+            }
+            result
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_refund_waits_for_a_charge_still_running() {
+        let fx = common::Pg::new().await;
+        sqlx::raw_sql(POSTGRES_TABLES)
+            .execute(&fx.pool)
+            .await
+            .unwrap();
+        let definition = Arc::new(SagaDefinition::from_toml_str(IMPATIENT).unwrap());
+        let mut dispatch = InProcess::new();
+        for step in definition.steps() {
+            let guard = InboxGuard::new(fx.store(4).await, InboxConfig::default()).unwrap();
+            let handler = SlowCharge(Checkout::new(0.0, 1));
+            let pool = StepPool::spawn(
+                guard,
+                step.consumer_type().clone(),
+                handler,
+                StepPoolConfig { workers: 2 },
+            )
+            .await
+            .unwrap();
+            dispatch = dispatch.with_pool(pool);
+        }
+        let store = fx.store(2).await;
+        let (orchestrator, _) = Actor::spawn(
+            None,
+            Orchestrator::new(),
+            OrchestratorArguments {
+                definition,
+                store: store.clone(),
+                dispatch: Arc::new(dispatch),
+                stats: Arc::new(DriveStats::default()),
+            },
+        )
+        .await
+        .unwrap();
+        let order = json!({"order_id": "o-1", "sku": "sku-apple", "quantity": 1, "amount_cents": 500, "decline": false});
+        sqlx::query("INSERT INTO demo_orders (id, saga_id, sku, quantity, amount_cents) VALUES ('o-1', 's-1', 'sku-apple', 1, 500)")
+            .execute(&fx.pool)
+            .await
+            .unwrap();
+        let saga = SagaInstance::new("s-1", "checkout", order, Utc::now());
+        let mut conn = store.pool().acquire().await.unwrap();
+        <sagabox::PostgresStore as SagaStore>::insert(&mut conn, &saga)
+            .await
+            .unwrap();
+        drop(conn);
+
+        ractor::call_t!(
+            orchestrator,
+            OrchestratorMessage::Run,
+            30_000,
+            "s-1".to_owned()
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            store.load("s-1").await.unwrap().unwrap().status.as_str(),
+            "compensated"
+        );
+        // Wait for the slow charge to finish: both payment commands on record.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while fx
+            .scalar("SELECT COUNT(*) FROM sagabox_inbox WHERE consumer_type = 'payment'")
+            .await
+            < 2
+        {
+            assert!(Instant::now() < deadline, "the charge never finished");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let net = fx
+            .scalar("SELECT CAST(COALESCE(SUM(CASE kind WHEN 'charge' THEN amount_cents ELSE -amount_cents END), 0) AS BIGINT) FROM payment_charges")
+            .await;
+        assert_eq!(net, 0, "charged and not refunded");
+        orchestrator.stop(None);
+    }
+}
+
+/// A run that fails part-way leaves no actor behind: its pruner, on a clock a million
+/// times fast, would otherwise go on creating months in the database after `run`
+/// returned the error.
+mod failed_run {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_run_that_fails_stops_its_pruner() {
+        let fx = common::Pg::new().await;
+        // A `demo_run` the demo cannot write its size to: the run fails after the pruner
+        // has started.
+        fx.exec("CREATE TABLE demo_run (unrelated INTEGER)").await;
+        let newest = async || {
+            sqlx::query_scalar::<_, Option<String>>(
+                "SELECT MAX(c.relname::text) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+                 WHERE i.inhparent = 'sagabox_inbox'::regclass",
+            )
+            .fetch_one(&fx.pool)
+            .await
+            .unwrap()
+        };
+        let config = DemoConfig {
+            clock_speed: 1e6,
+            ..faulty(10)
+        };
+        let error = run(&fx.url, &config).await.unwrap_err();
+        assert!(error.to_string().contains("orders"), "{error}");
+        let after_error = newest().await;
+        // 4 s at a million times is 46 days: a live pruner would have added a month.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        assert_eq!(
+            newest().await,
+            after_error,
+            "the pruner outlived the failed run"
+        );
+    }
+}
