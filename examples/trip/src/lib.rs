@@ -127,7 +127,7 @@ impl Trip {
 /// Why the participants could not be started.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum StartError {
+pub enum ParticipantsError {
     /// A step's consumer type is not a valid key.
     #[error("invalid consumer type for the {step} step: {source}")]
     ConsumerType {
@@ -151,7 +151,10 @@ pub enum StartError {
 /// Starts the four participants, each a [`StepPool`] of `workers` competing workers
 /// behind its own clone of `guard`, and returns them as the orchestrator's in-process
 /// dispatch.
-pub async fn participants<S>(guard: &InboxGuard<S>, workers: usize) -> Result<InProcess, StartError>
+pub async fn participants<S>(
+    guard: &InboxGuard<S>,
+    workers: usize,
+) -> Result<InProcess, ParticipantsError>
 where
     S: InboxStore,
     S::Db: TripDb,
@@ -173,16 +176,16 @@ async fn spawn<S, H>(
     step: &'static str,
     handler: H,
     config: &StepPoolConfig,
-) -> Result<StepPool, StartError>
+) -> Result<StepPool, ParticipantsError>
 where
     S: InboxStore,
     H: sagabox::step::StepHandler<S::Db>,
 {
-    let consumer_type =
-        ConsumerType::new(step).map_err(|source| StartError::ConsumerType { step, source })?;
+    let consumer_type = ConsumerType::new(step)
+        .map_err(|source| ParticipantsError::ConsumerType { step, source })?;
     StepPool::spawn(guard.clone(), consumer_type, handler, config.clone())
         .await
-        .map_err(|source| StartError::Spawn { step, source })
+        .map_err(|source| ParticipantsError::Spawn { step, source })
 }
 
 #[cfg(test)]
