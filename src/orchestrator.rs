@@ -261,9 +261,7 @@ impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
         });
         state.drivers.insert(key, AbortOnDrop(task.abort_handle()));
     }
-}
 
-impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
     /// Stores the saga `start` asks for unless it is stored already, and drives it. A
     /// saga whose driver crashed is not driven again by a redelivered start (as by
     /// `ResumeAll`): only an explicit `Run` or `Drive` of its id does that.
@@ -282,8 +280,10 @@ impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
                 source,
             })?;
         let id = started.saga.id;
-        // A terminal saga's driver ends at once; it is started anyway so that `Run`
-        // callers and `WhenIdle` see one consistent path.
+        if !started.created {
+            tracing::debug!(saga_id = %id, message_id = %start.id, "start message seen before; its saga goes on");
+        }
+        // A finished saga's driver loads it and ends at once: no need to tell it apart here.
         if !state.crashed.contains(&id) {
             Self::start(myself, state, id.clone(), None);
         }
