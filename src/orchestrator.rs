@@ -13,7 +13,9 @@
 //! One driver task per instance at a time: the actor keeps the set of instances in
 //! flight, so two `Drive` messages for one saga never run it twice at once.
 //! [`OrchestratorMessage::ResumeAll`] drives every unfinished instance of its saga — what
-//! a restarted process does first.
+//! a restarted process does first. [`OrchestratorMessage::Start`] starts a saga from a
+//! start message, idempotently: the same message, delivered twice or to two
+//! orchestrators at once, starts one saga and answers every sender with its id.
 //!
 //! A driver gives up, leaving the saga unfinished with `last_error` set for an operator,
 //! only when going on cannot help: a compensation the step refuses or the inbox rejects
@@ -40,7 +42,7 @@ use tracing::Instrument;
 
 use crate::envelope::{ConsumerType, Envelope};
 use crate::metrics::{self, CompensationTrigger, StepAttempt};
-use crate::saga::{Direction, SagaDefinition, SagaInstance, SagaStatus, SagaStore};
+use crate::saga::{Direction, SagaDefinition, SagaInstance, SagaStatus, SagaStore, StartError};
 use crate::step::{StepFailure, StepOutcome, StepPool, StepReply};
 use crate::supervisor::panic_message;
 
@@ -132,6 +134,12 @@ pub enum OrchestratorMessage {
     /// Drive this instance and answer when its driver has finished: `Ok` once the saga
     /// reached a terminal state or was left for an operator, `Err` if its driver crashed.
     Run(String, RpcReplyPort<Result<(), DriveError>>),
+    /// Start the saga that the start message asks for unless it was started already
+    /// (the message's id decides; [`SagaInstance::from_start`] gives the envelope's
+    /// shape), drive it, and answer its id once it is stored. Send the same message again
+    /// after an error or a lost answer: it never starts a second saga. To wait for the
+    /// saga to finish, follow with [`Run`](Self::Run) of the id.
+    Start(Envelope, RpcReplyPort<Result<String, StartError>>),
     /// Drive every unfinished instance, except those whose driver crashed in this
     /// orchestrator (until driven again by id); answers how many were started.
     ResumeAll(RpcReplyPort<Result<usize, String>>),
@@ -253,6 +261,34 @@ impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
         });
         state.drivers.insert(key, AbortOnDrop(task.abort_handle()));
     }
+
+    /// Stores the saga `start` asks for unless it is stored already, and drives it. A
+    /// saga whose driver crashed is not driven again by a redelivered start (as by
+    /// `ResumeAll`): only an explicit `Run` or `Drive` of its id does that.
+    async fn start_saga(
+        myself: &ActorRef<OrchestratorMessage>,
+        state: &mut OrchestratorState<St, D>,
+        start: &Envelope,
+    ) -> Result<String, StartError> {
+        let instance = SagaInstance::from_start(&state.definition, start, Utc::now())?;
+        let started = state
+            .store
+            .create_if_absent(&instance)
+            .await
+            .map_err(|source| StartError::Store {
+                message_id: start.id.clone(),
+                source,
+            })?;
+        let id = started.saga.id;
+        if !started.created {
+            tracing::debug!(saga_id = %id, message_id = %start.id, "start message seen before; its saga goes on");
+        }
+        // A finished saga's driver loads it and ends at once: no need to tell it apart here.
+        if !state.crashed.contains(&id) {
+            Self::start(myself, state, id.clone(), None);
+        }
+        Ok(id)
+    }
 }
 
 impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
@@ -301,6 +337,10 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
             OrchestratorMessage::Run(id, reply) => {
                 state.crashed.remove(&id);
                 Self::start(&myself, state, id, Some(reply));
+            }
+            OrchestratorMessage::Start(start, reply) => {
+                let started = Self::start_saga(&myself, state, &start).await;
+                let _ = reply.send(started);
             }
             OrchestratorMessage::ResumeAll(reply) => {
                 let answer = match state.store.unfinished(state.definition.name()).await {

@@ -8,9 +8,16 @@
 //! Instances of a saga are rows of `saga_instances` ([`SagaInstance`], [`SagaStore`]);
 //! each step's command has a stable id ([`SagaInstance::command_id`]), so every retry is
 //! the same message.
+//!
+//! A saga is started idempotently from a start message: its id is derived from the
+//! message's id ([`SagaInstance::from_start`] documents the envelope's shape), and
+//! [`SagaStore::create_if_absent`] stores it once however often the message arrives, so
+//! every sender learns the one saga's id.
 
 mod definition;
 mod instance;
 
 pub use definition::{DefinitionError, RetryPolicy, SagaDefinition, StepDefinition};
-pub use instance::{Direction, SagaInstance, SagaStatus, SagaStore, UnknownStatus};
+pub use instance::{
+    Direction, SagaInstance, SagaStatus, SagaStore, StartError, Started, UnknownStatus,
+};

@@ -1,5 +1,7 @@
 //! Saga instances as the orchestrator persists them (`saga_instances`), the stable ids of
-//! their commands, and [`SagaStore`], the SQL that reads and writes them.
+//! their commands, the idempotent start of a saga from a start message
+//! ([`SagaInstance::from_start`], [`SagaStore::create_if_absent`]), and [`SagaStore`], the
+//! SQL that reads and writes them.
 
 use std::fmt;
 use std::future::Future;
@@ -10,7 +12,8 @@ use serde_json::Value;
 use sqlx::types::Json;
 use sqlx::{Database, Row};
 
-use crate::envelope::MessageId;
+use crate::envelope::{Envelope, MessageId};
+use crate::saga::SagaDefinition;
 
 /// Where a saga instance stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -64,6 +67,46 @@ impl FromStr for SagaStatus {
             other => Err(UnknownStatus(other.to_owned())),
         }
     }
+}
+
+/// Why a saga was not started from a start message.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// The start message's kind is not the name of the saga it was given to: it was sent
+    /// to the wrong orchestrator, or it starts another saga.
+    #[error(
+        "a start message of kind `{kind}` does not start saga `{saga}`: \
+         a start message's kind is the name of the saga it starts"
+    )]
+    WrongSaga {
+        /// The saga the message was given to.
+        saga: String,
+        /// The message's kind.
+        kind: String,
+    },
+    /// The start message names a saga id. A started saga's id is derived from the start
+    /// message's id, so that a redelivered start finds the saga it started.
+    #[error(
+        "a start message must not carry a saga id (it has {saga_id:?}): the saga's id is \
+         derived from the message id; leave `saga_id` out"
+    )]
+    SagaIdGiven {
+        /// The saga id the message carried.
+        saga_id: String,
+    },
+    /// The saga could not be stored or read back. Nothing or the whole saga was stored:
+    /// send the same start message again.
+    #[error(
+        "cannot store the saga started by message {message_id}: {source}; send the start again, it is idempotent"
+    )]
+    Store {
+        /// The start message's id.
+        message_id: MessageId,
+        /// The database's error.
+        #[source]
+        source: sqlx::Error,
+    },
 }
 
 /// Which way a command goes: the step itself, or its compensation.
@@ -123,6 +166,82 @@ impl SagaInstance {
         }
     }
 
+    /// The instance that the start message `start` asks for, running `definition` from
+    /// its first step: what an orchestrator does with a request to start a saga.
+    ///
+    /// Starting is idempotent by the message's id: the saga's id is derived from
+    /// `start.id` and the saga's name ([`SagaInstance::start_id`]), so a redelivered
+    /// start (the same id) gives the same saga id, and
+    /// [`SagaStore::create_if_absent`] stores it once.
+    ///
+    /// The start message's envelope:
+    ///
+    /// | field | value |
+    /// | --- | --- |
+    /// | `id` | the request's stable id, the same on every redelivery: it decides which saga the request starts |
+    /// | `kind` | the saga's name ([`SagaDefinition::name`]), e.g. `trip` |
+    /// | `payload` | the saga's data: every step's command carries it as its payload |
+    /// | `saga_id` | absent: the saga's id is derived from `id` |
+    /// | `published_at`, `headers` | free; not read |
+    ///
+    /// `now` becomes the saga's creation time, the time inside its command ids. Of two
+    /// starts of one message only the first stored keeps its `now` and payload.
+    ///
+    /// ```
+    /// use chrono::Utc;
+    /// use sagabox::saga::{SagaDefinition, SagaInstance};
+    /// use sagabox::{Envelope, MessageId};
+    /// use serde_json::json;
+    ///
+    /// let definition: SagaDefinition = r#"
+    ///     name = "trip"
+    ///     [[steps]]
+    ///     name = "notify"
+    ///     consumer_type = "notify"
+    ///     command = "send_itinerary"
+    ///     timeout = "5s"
+    /// "#.parse()?;
+    /// let start = Envelope::new(MessageId::new("booking-request-42")?, "trip", json!({"trip_id": "t-42"}))?;
+    /// let first = SagaInstance::from_start(&definition, &start, Utc::now())?;
+    /// let again = SagaInstance::from_start(&definition, &start, Utc::now())?;
+    /// assert_eq!(first.id, again.id);
+    /// assert_eq!(first.data, json!({"trip_id": "t-42"}));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn from_start(
+        definition: &SagaDefinition,
+        start: &Envelope,
+        now: DateTime<Utc>,
+    ) -> Result<Self, StartError> {
+        if start.kind != definition.name() {
+            return Err(StartError::WrongSaga {
+                saga: definition.name().to_owned(),
+                kind: start.kind.clone(),
+            });
+        }
+        if let Some(saga_id) = &start.saga_id {
+            return Err(StartError::SagaIdGiven {
+                saga_id: saga_id.clone(),
+            });
+        }
+        Ok(Self::new(
+            Self::start_id(definition.name(), &start.id),
+            definition.name(),
+            start.payload.clone(),
+            now,
+        ))
+    }
+
+    /// The id of the saga `saga_name` started by the message `start_id`: a UUID derived
+    /// from both (a UUIDv7 at the message's time when its id is a UUIDv7), the same on
+    /// every call. The saga name is part of it, so one message may start sagas of two
+    /// definitions without their ids meeting.
+    pub fn start_id(saga_name: &str, start_id: &MessageId) -> String {
+        start_id
+            .derived(&format!("start\u{1f}{saga_name}"))
+            .to_string()
+    }
+
     /// The id of the command for `step` in `direction`: the same on every attempt, so a
     /// retry is the same message and the step's inbox applies it once.
     ///
@@ -139,6 +258,15 @@ impl SagaInstance {
     }
 }
 
+/// What [`SagaStore::create_if_absent`] found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Started {
+    /// The stored saga: the one this call inserted, or the one an earlier start stored.
+    pub saga: SagaInstance,
+    /// Whether this call inserted it.
+    pub created: bool,
+}
+
 /// Where saga instances are stored: the same database as the inbox, so the demo can
 /// create an order and its saga in one transaction.
 pub trait SagaStore: Clone + Send + Sync + 'static {
@@ -150,6 +278,21 @@ pub trait SagaStore: Clone + Send + Sync + 'static {
         conn: &mut <Self::SagaDb as Database>::Connection,
         instance: &SagaInstance,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Inserts `instance` unless a saga with its id is stored already, and returns the
+    /// stored one either way: the idempotent start ([`SagaInstance::from_start`]).
+    ///
+    /// Atomic under any number of concurrent callers, in one process or many: the
+    /// insert is an `INSERT … ON CONFLICT (id) DO NOTHING`, which waits for a racing
+    /// insert of the same id to commit (or roll back) before it decides, and only when
+    /// it inserted nothing is the row read back. Exactly one caller gets
+    /// `created: true`; every caller gets the same saga. Fails with
+    /// [`sqlx::Error::RowNotFound`] only if the saga it lost to is deleted before it can
+    /// be read, again and again.
+    fn create_if_absent(
+        &self,
+        instance: &SagaInstance,
+    ) -> impl Future<Output = Result<Started, sqlx::Error>> + Send;
 
     /// The instance with `id`, if any.
     fn load(
@@ -176,6 +319,12 @@ pub trait SagaStore: Clone + Send + Sync + 'static {
 const INSERT: &str = "INSERT INTO saga_instances \
     (id, saga_name, status, current_step, attempts, data, created_at, updated_at, last_error) \
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)";
+const INSERT_IF_ABSENT: &str = "INSERT INTO saga_instances \
+    (id, saga_name, status, current_step, attempts, data, created_at, updated_at, last_error) \
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (id) DO NOTHING";
+/// How many times [`SagaStore::create_if_absent`] inserts again when the saga it lost to
+/// was deleted before it could read it back.
+const CREATE_ATTEMPTS: usize = 3;
 const SELECT: &str = "SELECT id, saga_name, status, current_step, attempts, data, created_at, \
     updated_at, last_error, version FROM saga_instances WHERE id = $1";
 const UPDATE: &str = "UPDATE saga_instances SET status = $2, current_step = $3, attempts = $4, \
@@ -232,6 +381,46 @@ macro_rules! saga_store {
                     .execute(&mut *conn)
                     .await?;
                 Ok(())
+            }
+
+            async fn create_if_absent(
+                &self,
+                instance: &SagaInstance,
+            ) -> Result<Started, sqlx::Error> {
+                for _ in 0..CREATE_ATTEMPTS {
+                    let inserted = sqlx::query(INSERT_IF_ABSENT)
+                        .bind(&instance.id)
+                        .bind(&instance.saga_name)
+                        .bind(instance.status.as_str())
+                        .bind(instance.current_step)
+                        .bind(instance.attempts)
+                        .bind(Json(&instance.data))
+                        .bind(instance.created_at)
+                        .bind(instance.updated_at)
+                        .bind(&instance.last_error)
+                        .execute(self.pool())
+                        .await?
+                        .rows_affected()
+                        == 1;
+                    if inserted {
+                        return Ok(Started {
+                            saga: SagaInstance {
+                                version: 0,
+                                ..instance.clone()
+                            },
+                            created: true,
+                        });
+                    }
+                    // The conflicting row committed before `DO NOTHING` decided, so a
+                    // new statement sees it — unless it was deleted since: insert again.
+                    if let Some(saga) = self.load(&instance.id).await? {
+                        return Ok(Started {
+                            saga,
+                            created: false,
+                        });
+                    }
+                }
+                Err(sqlx::Error::RowNotFound)
             }
 
             async fn load(&self, id: &str) -> Result<Option<SagaInstance>, sqlx::Error> {
@@ -293,6 +482,72 @@ mod tests {
         let other = SagaInstance::new("saga-2", "checkout", Value::Null, created);
         assert_ne!(forward, other.command_id(0, Direction::Forward));
         assert_eq!(forward.uuid_v7_time(), Some(created));
+    }
+
+    fn two_steps() -> SagaDefinition {
+        "name = \"trip\"\n[[steps]]\nname = \"flight\"\nconsumer_type = \"flight\"\n\
+         command = \"book_flight\"\ncompensation = \"cancel_flight\"\ntimeout = \"5s\"\n\
+         [[steps]]\nname = \"notify\"\nconsumer_type = \"notify\"\ncommand = \"send\"\ntimeout = \"5s\"\n"
+            .parse()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_start_message_gives_one_saga_id_per_message_and_saga() {
+        let definition = two_steps();
+        let v7 = MessageId::new_v7();
+        let start =
+            Envelope::new(v7.clone(), "trip", serde_json::json!({"trip_id": "t-1"})).unwrap();
+        let earlier = Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).unwrap();
+        let first = SagaInstance::from_start(&definition, &start, earlier).unwrap();
+        let again = SagaInstance::from_start(&definition, &start, Utc::now()).unwrap();
+        assert_eq!(
+            first.id, again.id,
+            "a redelivered start names the same saga"
+        );
+        assert_eq!(first.id, SagaInstance::start_id("trip", &v7));
+        assert_ne!(first.id, SagaInstance::start_id("checkout", &v7));
+        assert_ne!(
+            first.id,
+            SagaInstance::start_id("trip", &MessageId::new_v7()),
+            "another request, another saga"
+        );
+        // A UUIDv7 start keeps its time in the saga id, a plain id gives a UUID too.
+        let saga_uuid = uuid::Uuid::parse_str(&first.id).unwrap();
+        assert_eq!(saga_uuid.get_version_num(), 7);
+        let plain = SagaInstance::start_id("trip", &MessageId::new("order-42").unwrap());
+        assert!(uuid::Uuid::parse_str(&plain).is_ok(), "{plain}");
+        assert_eq!(
+            (
+                first.saga_name.as_str(),
+                first.status,
+                first.current_step,
+                first.version
+            ),
+            ("trip", SagaStatus::Running, 0, 0)
+        );
+        assert_eq!(first.data, start.payload);
+        assert_eq!(first.created_at, earlier);
+    }
+
+    #[test]
+    fn a_start_message_for_another_saga_or_with_a_saga_id_is_refused() {
+        let definition = two_steps();
+        let wrong = Envelope::new(MessageId::new_v7(), "checkout", Value::Null).unwrap();
+        let error = SagaInstance::from_start(&definition, &wrong, Utc::now()).unwrap_err();
+        assert!(
+            matches!(&error, StartError::WrongSaga { saga, kind } if saga == "trip" && kind == "checkout"),
+            "{error:?}"
+        );
+        assert!(
+            error.to_string().contains("kind is the name of the saga"),
+            "{error}"
+        );
+        let with_id = Envelope::new(MessageId::new_v7(), "trip", Value::Null)
+            .unwrap()
+            .with_saga_id("mine");
+        let error = SagaInstance::from_start(&definition, &with_id, Utc::now()).unwrap_err();
+        assert!(matches!(error, StartError::SagaIdGiven { .. }), "{error:?}");
     }
 
     #[test]
