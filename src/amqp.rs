@@ -7,6 +7,8 @@
 //!   aggregate, marking rows sent only after the confirm.
 //! - [`serve_step`] and [`AmqpDispatch`]: saga steps and their orchestrator in separate
 //!   processes, talking through queues.
+//! - [`orchestrate`]: the orchestrator as a service — any saga definitions, started by
+//!   start messages on `<prefix>.<saga>.start`, resumed after a crash.
 //! - [`Batching`] and [`serve_step_batched`]: the deliveries a consumer holds at once,
 //!   claimed as one batch ([`InboxGuard::process_batch`](crate::InboxGuard::process_batch)).
 //! - [`codec`]: the envelope on the wire; [`AmqpConfig`]: queues, prefetch, backoff.
@@ -20,6 +22,7 @@ pub mod codec;
 mod config;
 mod consumer;
 mod dispatch;
+mod orchestrate;
 mod relay;
 
 pub use batching::Batching;
@@ -30,6 +33,10 @@ pub use consumer::{
     DEAD_REASON_HEADER, DeliveryHandler, Disposition,
 };
 pub use dispatch::{AmqpDispatch, REPLY_KIND, reply_envelope, serve_step, serve_step_batched};
+pub use orchestrate::{
+    ORCHESTRATOR_CONSUMER, OrchestrateConfig, OrchestrateError, STARTED_KIND, orchestrate,
+    start_queue,
+};
 pub use relay::{
     OutboxSource, Relay, RelayArguments, RelayConfig, RelayError, RelayMessage, RelayState,
 };

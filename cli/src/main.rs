@@ -5,6 +5,7 @@
 //! parsing, with the same shape); 3 `demo` ran and found damage (its verdict).
 
 mod bench;
+mod orchestrate;
 
 use std::fmt::Display;
 use std::process::ExitCode;
@@ -159,6 +160,31 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         seed: u64,
         /// Serve Prometheus metrics at HOST:PORT while serving (e.g. 127.0.0.1:9464).
+        #[arg(long, value_name = "HOST:PORT")]
+        metrics_addr: Option<String>,
+    },
+    /// Drive the sagas defined in TOML files, over RabbitMQ, with their steps served by
+    /// other processes. A saga starts from a start message on <prefix>.<saga>.start: an
+    /// envelope whose kind is the saga's name and whose payload is its data; the same
+    /// message delivered twice starts one saga. Stops on SIGINT or SIGTERM.
+    Orchestrate {
+        /// A saga definition (TOML). Repeat for several sagas.
+        #[arg(long = "saga", value_name = "FILE", required = true)]
+        sagas: Vec<std::path::PathBuf>,
+        /// The RabbitMQ broker: amqp://user:password@host:port/vhost
+        #[arg(long, value_name = "URL")]
+        transport: String,
+        /// postgres://user@host:port/db or sqlite:path/to/file.db
+        #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
+        database_url: String,
+        /// Queue names are <prefix>.<consumer_type>; start messages go to
+        /// <prefix>.<saga>.start.
+        #[arg(long, default_value = "sagabox")]
+        queue_prefix: String,
+        /// How often unfinished sagas are looked for and resumed, in milliseconds.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+        resume_interval_ms: u64,
+        /// Serve Prometheus metrics at HOST:PORT while running (e.g. 127.0.0.1:9464).
         #[arg(long, value_name = "HOST:PORT")]
         metrics_addr: Option<String>,
     },
@@ -414,6 +440,7 @@ async fn main() -> ExitCode {
     let (name, url) = match &cli.command {
         Command::Demo { database_url, .. } => ("demo", database_url),
         Command::Serve { database_url, .. } => ("serve", database_url),
+        Command::Orchestrate { database_url, .. } => ("orchestrate", database_url),
         Command::Migrate { database_url, .. } => ("migrate", database_url),
         Command::Prune { database_url, .. } => ("prune", database_url),
         Command::Inspect { database_url, .. } => ("inspect", database_url),
@@ -528,6 +555,42 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             sagabox_checkout::serve(&database_url, config, interrupted())
                 .await
                 .map_err(|error| failed("serve", error, false))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Orchestrate {
+            sagas,
+            transport,
+            database_url,
+            queue_prefix,
+            resume_interval_ms,
+            metrics_addr,
+        } => {
+            let mut definitions = Vec::with_capacity(sagas.len());
+            for path in &sagas {
+                let definition =
+                    sagabox::saga::SagaDefinition::load(path).unwrap_or_else(|error| {
+                        usage_error(
+                            "orchestrate",
+                            format_args!("--saga {}: {error}", path.display()),
+                        )
+                    });
+                definitions.push(definition);
+            }
+            let amqp = sagabox::amqp::AmqpConfig::new(transport).with_queue_prefix(queue_prefix);
+            if let Err(error) = amqp.validate() {
+                usage_error("orchestrate", format_args!("--transport: {error}"));
+            }
+            if let Some(addr) = metrics_addr {
+                start_metrics(&addr).map_err(|error| failed("orchestrate", error, false))?;
+            }
+            let config = sagabox::amqp::OrchestrateConfig {
+                definitions,
+                amqp,
+                resume_interval: Duration::from_millis(resume_interval_ms),
+            };
+            orchestrate::run(&database_url, config, interrupted())
+                .await
+                .map_err(|error| failed("orchestrate", error, false))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Prune {

@@ -159,13 +159,30 @@ where
     S: InboxStore,
     S::Db: TripDb,
 {
+    let pools = step_pools(guard, workers).await?;
+    Ok(pools
+        .into_iter()
+        .fold(InProcess::new(), InProcess::with_pool))
+}
+
+/// The four participants' step pools (flight, hotel, car, notify), each of `workers`
+/// competing workers behind its own clone of `guard`: to put behind a broker's queues,
+/// or into an [`InProcess`] dispatch ([`participants`]).
+pub async fn step_pools<S>(
+    guard: &InboxGuard<S>,
+    workers: usize,
+) -> Result<Vec<StepPool>, ParticipantsError>
+where
+    S: InboxStore,
+    S::Db: TripDb,
+{
     let config = StepPoolConfig { workers };
-    let mut dispatch = InProcess::new();
-    dispatch = dispatch.with_pool(spawn(guard, flight::CONSUMER, Flight, &config).await?);
-    dispatch = dispatch.with_pool(spawn(guard, hotel::CONSUMER, Hotel, &config).await?);
-    dispatch = dispatch.with_pool(spawn(guard, car::CONSUMER, Car, &config).await?);
-    dispatch = dispatch.with_pool(spawn(guard, notify::CONSUMER, Notify, &config).await?);
-    Ok(dispatch)
+    Ok(vec![
+        spawn(guard, flight::CONSUMER, Flight, &config).await?,
+        spawn(guard, hotel::CONSUMER, Hotel, &config).await?,
+        spawn(guard, car::CONSUMER, Car, &config).await?,
+        spawn(guard, notify::CONSUMER, Notify, &config).await?,
+    ])
 }
 
 async fn spawn<S, H>(

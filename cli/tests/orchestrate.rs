@@ -1,0 +1,244 @@
+//! `sagabox orchestrate --saga sagas/trip.toml`, the built binary, drives trip sagas
+//! whose participants run in another process (this test's), over a real RabbitMQ and a
+//! real PostgreSQL: a start message delivered twice makes one saga and both deliveries
+//! are answered with its id; a trip without a car is compensated, the hotel cancelled
+//! before the flight. Every check reads the participants' tables and `saga_instances`.
+
+#![allow(clippy::unwrap_used)]
+
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
+use std::collections::BTreeSet;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lapin::BasicProperties;
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use sagabox::amqp::{STARTED_KIND, codec, serve_step, start_queue};
+use sagabox::saga::SagaDefinition;
+use sagabox::{InboxConfig, InboxGuard, MessageId};
+use sagabox_trip::Trip;
+
+const BOUND: Duration = Duration::from_secs(60);
+
+/// The message kinds `consumer_type` takes in `definition`.
+fn kinds(definition: &SagaDefinition, consumer_type: &sagabox::ConsumerType) -> BTreeSet<String> {
+    definition
+        .steps()
+        .iter()
+        .filter(|step| step.consumer_type() == consumer_type)
+        .flat_map(|step| [Some(step.command()), step.compensation()])
+        .flatten()
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn orchestrate_drives_trips_whose_participants_run_elsewhere_and_a_repeated_start_makes_one_saga()
+ {
+    let fx = common::Pg::new().await;
+    let rabbit =
+        common::rabbit::Rabbit::new(&["flight", "hotel", "car", "notify", "trip.start"]).await;
+    fx.exec(sagabox_trip::schema::POSTGRES).await;
+    let definition = sagabox_trip::definition().unwrap();
+
+    // The participants: this process, over the broker.
+    let guard = InboxGuard::new(fx.store(8).await, InboxConfig::default()).unwrap();
+    guard.migrate().await.unwrap();
+    let mut consumers = Vec::new();
+    for pool in sagabox_trip::step_pools(&guard, 2).await.unwrap() {
+        let kinds = kinds(&definition, pool.consumer_type());
+        consumers.push(
+            serve_step(
+                rabbit.config.clone(),
+                Arc::new(pool),
+                kinds,
+                Duration::from_secs(5),
+            )
+            .await
+            .unwrap(),
+        );
+    }
+
+    // The orchestrator: the built binary.
+    let saga_file = concat!(env!("CARGO_MANIFEST_DIR"), "/../sagas/trip.toml");
+    let orchestrator = std::process::Command::new(common::sagabox_bin())
+        .args([
+            "orchestrate",
+            "--saga",
+            saga_file,
+            "--transport",
+            &rabbit.config.url,
+            "--database-url",
+            &fx.url,
+            "--queue-prefix",
+            &rabbit.config.queue_prefix,
+            "--resume-interval-ms",
+            "200",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut children = common::children::Children::new(vec![orchestrator]);
+    let starts = start_queue(&rabbit.config, "trip").unwrap();
+    let deadline = Instant::now() + BOUND;
+    while rabbit.consumers(&starts).await == 0 {
+        assert!(
+            matches!(children[0].try_wait(), Ok(None)),
+            "orchestrate exited before consuming {starts}"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "orchestrate never consumed {starts}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Each start request sent twice, the same message id; answers to a queue of ours.
+    let answers = format!("{}.answers", rabbit.config.queue_prefix);
+    rabbit
+        .channel
+        .queue_declare(
+            answers.as_str().into(),
+            QueueDeclareOptions {
+                auto_delete: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let trips = [
+        Trip::new("t-ok", "Ada", "Lisbon"),
+        Trip::new("t-nocar", "Grace", "Porto").without_car(),
+    ];
+    let mut requests = Vec::new();
+    for trip in &trips {
+        let request = trip.start_message(MessageId::new_v7()).unwrap();
+        let (body, properties) = codec::encode(&request);
+        let properties: BasicProperties = properties.with_reply_to(answers.as_str().into());
+        for _ in 0..2 {
+            rabbit.publish_raw(&starts, &body, properties.clone()).await;
+        }
+        requests.push(request);
+    }
+
+    // Both sagas end; one row each.
+    let deadline = Instant::now() + BOUND;
+    loop {
+        let finished = fx
+            .scalar(
+                "SELECT COUNT(*) FROM saga_instances WHERE status IN ('completed', 'compensated')",
+            )
+            .await;
+        if finished == 2 {
+            break;
+        }
+        assert!(
+            matches!(children[0].try_wait(), Ok(None)),
+            "orchestrate exited while driving"
+        );
+        assert!(Instant::now() < deadline, "{finished} of 2 trips finished");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        fx.scalar("SELECT COUNT(*) FROM saga_instances").await,
+        2,
+        "one saga per start request"
+    );
+    assert_eq!(
+        fx.scalar("SELECT COUNT(*) FROM saga_instances WHERE status = 'completed'")
+            .await,
+        1
+    );
+    assert_eq!(
+        fx.scalar("SELECT COUNT(*) FROM saga_instances WHERE status = 'compensated'")
+            .await,
+        1
+    );
+
+    // Four answers, two per request, each naming its request's saga.
+    rabbit.wait_ready(&answers, 4).await;
+    let mut named = std::collections::BTreeMap::<String, BTreeSet<String>>::new();
+    for message in rabbit.drain(&answers).await {
+        let answer = codec::decode(
+            &message.delivery.properties,
+            &message.delivery.data,
+            &BTreeSet::new(),
+        )
+        .unwrap();
+        assert_eq!(answer.kind, STARTED_KIND);
+        let correlation = message
+            .delivery
+            .properties
+            .correlation_id()
+            .as_ref()
+            .map(|id| id.to_string())
+            .unwrap_or_default();
+        named
+            .entry(correlation)
+            .or_default()
+            .insert(answer.payload["saga_id"].as_str().unwrap().to_owned());
+    }
+    assert_eq!(
+        named.len(),
+        2,
+        "answers correlated to both requests: {named:?}"
+    );
+    for (request, sagas) in &named {
+        assert_eq!(
+            sagas.len(),
+            1,
+            "request {request} answered with one saga id: {sagas:?}"
+        );
+    }
+
+    // The participants' own tables: once each, the hotel cancelled before the flight.
+    assert_eq!(fx.scalar("SELECT COUNT(*) FROM flight_bookings").await, 2);
+    assert_eq!(fx.scalar("SELECT COUNT(*) FROM hotel_bookings").await, 2);
+    assert_eq!(fx.scalar("SELECT COUNT(*) FROM car_rentals").await, 1);
+    assert_eq!(fx.scalar("SELECT COUNT(*) FROM notifications").await, 1);
+    assert_eq!(
+        fx.scalar(
+            "SELECT COUNT(*) FROM flight_bookings WHERE status = 'cancelled' AND cancellations = 1"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        fx.scalar(
+            "SELECT COUNT(*) FROM hotel_bookings h JOIN flight_bookings f ON f.trip_id = h.trip_id \
+             WHERE h.status = 'cancelled' AND h.cancellations = 1 AND h.cancel_seq < f.cancel_seq"
+        )
+        .await,
+        1,
+        "the hotel is cancelled once, before the flight"
+    );
+
+    // SIGTERM: it stops cleanly.
+    let pid = children[0].id().to_string();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    let deadline = Instant::now() + BOUND;
+    let status = loop {
+        if let Some(status) = children[0].try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "orchestrate did not stop on SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "orchestrate ended with {status}");
+    for consumer in consumers {
+        consumer.stop().await;
+    }
+    drop(requests);
+}

@@ -1,0 +1,284 @@
+//! The orchestrator as a service: [`orchestrate`] drives the sagas of any number of
+//! [`SagaDefinition`]s whose steps run in other processes, over RabbitMQ, until a
+//! shutdown future resolves. `sagabox orchestrate --saga FILE` is this function.
+//!
+//! - One [`Orchestrator`] actor per definition, all linked to one [`Supervision`]: an
+//!   actor that dies ends the service with its cause.
+//! - Step commands go to `<prefix>.<consumer_type>` and replies come back on a private
+//!   queue ([`AmqpDispatch`]), deduplicated as the consumer type `orchestrator`.
+//! - Sagas start from **start messages** on `<prefix>.<saga>.start` (see
+//!   [`start_queue`]): an envelope whose `kind` is the saga's name, whose `payload` is the
+//!   saga's data, with no `saga_id`. The saga's id is derived from the message id, so a
+//!   start message delivered twice starts one saga
+//!   ([`SagaInstance::from_start`](crate::saga::SagaInstance::from_start)). When the
+//!   message has a `reply_to`, the answer is a [`STARTED_KIND`] envelope whose
+//!   `saga_id` (and `payload.saga_id`) is the saga's id, correlated by the start
+//!   message's id — the same answer to every delivery of it.
+//! - Every `resume_interval`, each orchestrator resumes the unfinished sagas of its
+//!   definition: after a crash, a restart finishes what the last process left.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::ActorRef;
+use serde_json::json;
+
+use super::config::{AmqpConfig, AmqpError};
+use super::consumer::{Consumer, ConsumerHandle, ConsumerOptions, Disposition};
+use super::dispatch::AmqpDispatch;
+use crate::envelope::{ConsumerType, Envelope, KeyError};
+use crate::inbox::{InboxConfig, InboxError, InboxGuard};
+use crate::orchestrator::{DriveStats, Orchestrator, OrchestratorArguments, OrchestratorMessage};
+use crate::saga::{SagaDefinition, SagaStore, StartError};
+use crate::store::InboxStore;
+use crate::supervisor::{ActorDied, Supervision};
+
+/// The kind of the answer to a start message.
+pub const STARTED_KIND: &str = "saga_started";
+
+/// The consumer type the orchestrator's replies are deduplicated as.
+pub const ORCHESTRATOR_CONSUMER: &str = "orchestrator";
+
+/// How long a start message waits for its orchestrator before it is requeued.
+const START_WITHIN_MS: u64 = 30_000;
+
+/// What [`orchestrate`] runs.
+#[derive(Debug, Clone)]
+pub struct OrchestrateConfig {
+    /// The sagas to drive, one orchestrator each; their names must differ.
+    pub definitions: Vec<SagaDefinition>,
+    /// The broker and queue settings.
+    pub amqp: AmqpConfig,
+    /// How often each orchestrator looks for unfinished sagas to resume.
+    pub resume_interval: Duration,
+}
+
+/// Why [`orchestrate`] did not start or did not end cleanly.
+#[derive(Debug, thiserror::Error)]
+pub enum OrchestrateError {
+    /// No definition was given.
+    #[error("nothing to orchestrate: give at least one saga definition")]
+    NoSagas,
+    /// Two definitions have the same name.
+    #[error(
+        "saga `{0}` is defined twice: each saga name is driven by one definition; \
+         rename one of them or give it once"
+    )]
+    DuplicateSaga(String),
+    /// A saga's name cannot name its start queue.
+    #[error("saga `{name}` cannot name its start queue: {source}")]
+    SagaName {
+        /// The saga's name.
+        name: String,
+        /// What is wrong with `<name>.start` as a consumer type.
+        source: KeyError,
+    },
+    /// The resume interval is zero.
+    #[error("the resume interval must be above zero")]
+    ZeroResumeInterval,
+    /// The broker refused or could not be reached.
+    #[error(transparent)]
+    Amqp(#[from] AmqpError),
+    /// The database refused or could not be reached.
+    #[error(transparent)]
+    Inbox(#[from] InboxError),
+    /// An actor could not be started.
+    #[error("could not start {what}: {reason}")]
+    Spawn {
+        /// Which actor.
+        what: String,
+        /// The spawn error.
+        reason: String,
+    },
+    /// An actor died while serving: the service stopped.
+    #[error(transparent)]
+    Died(#[from] ActorDied),
+}
+
+/// The queue that start messages of `saga` are sent to: `<prefix>.<saga>.start`.
+pub fn start_queue(amqp: &AmqpConfig, saga: &str) -> Result<String, KeyError> {
+    Ok(amqp.queue(&start_consumer(saga)?))
+}
+
+fn start_consumer(saga: &str) -> Result<ConsumerType, KeyError> {
+    ConsumerType::new(format!("{saga}.start"))
+}
+
+/// Drives `config.definitions` on `store` over the broker until `shutdown` resolves,
+/// then stops taking start messages, stops the orchestrators (a saga in flight is
+/// resumed by the next process) and returns. Returns early, with the cause, when one of
+/// its actors dies.
+pub async fn orchestrate<S>(
+    store: S,
+    config: OrchestrateConfig,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), OrchestrateError>
+where
+    S: InboxStore + SagaStore,
+{
+    check(&config)?;
+    let guard = InboxGuard::new(store.clone(), InboxConfig::default()).map_err(InboxError::from)?;
+    guard.migrate().await?;
+    let supervision = Supervision::start()
+        .await
+        .map_err(|e| spawn_error("the supervisor", e))?;
+    let orchestrator =
+        ConsumerType::new(ORCHESTRATOR_CONSUMER).map_err(|source| OrchestrateError::SagaName {
+            name: ORCHESTRATOR_CONSUMER.into(),
+            source,
+        })?;
+    let dispatch = Arc::new(AmqpDispatch::connect(config.amqp.clone(), guard, orchestrator).await?);
+    let mut running = Running::default();
+    let started = start_all(&store, &config, &dispatch, &supervision, &mut running).await;
+    let outcome = match started {
+        Ok(()) => {
+            tracing::info!(
+                target: "sagabox::serve",
+                sagas = %crate::logging::json_list(config.definitions.iter().map(SagaDefinition::name)),
+                broker = %crate::database::redact(&config.amqp.url),
+                "orchestrating"
+            );
+            let resume = resume_forever(&running.actors, config.resume_interval);
+            tokio::select! {
+                () = shutdown => Ok(()),
+                () = resume => Ok(()),
+                died = supervision.died() => Err(OrchestrateError::Died(died)),
+            }
+        }
+        Err(error) => Err(error),
+    };
+    for consumer in running.consumers {
+        consumer.stop().await;
+    }
+    for actor in &running.actors {
+        actor.stop(None);
+    }
+    dispatch.stop().await;
+    supervision.stop().await;
+    tracing::info!(target: "sagabox::serve", "stopped orchestrating");
+    outcome
+}
+
+fn check(config: &OrchestrateConfig) -> Result<(), OrchestrateError> {
+    if config.definitions.is_empty() {
+        return Err(OrchestrateError::NoSagas);
+    }
+    if config.resume_interval.is_zero() {
+        return Err(OrchestrateError::ZeroResumeInterval);
+    }
+    let mut names = BTreeSet::new();
+    for definition in &config.definitions {
+        let name = definition.name();
+        start_consumer(name).map_err(|source| OrchestrateError::SagaName {
+            name: name.to_owned(),
+            source,
+        })?;
+        if !names.insert(name) {
+            return Err(OrchestrateError::DuplicateSaga(name.to_owned()));
+        }
+    }
+    config.amqp.validate()?;
+    Ok(())
+}
+
+/// The actors and consumers started so far, stopped on the way out whatever happened.
+#[derive(Default)]
+struct Running {
+    actors: Vec<ActorRef<OrchestratorMessage>>,
+    consumers: Vec<ConsumerHandle>,
+}
+
+async fn start_all<S>(
+    store: &S,
+    config: &OrchestrateConfig,
+    dispatch: &Arc<AmqpDispatch>,
+    supervision: &Supervision,
+    running: &mut Running,
+) -> Result<(), OrchestrateError>
+where
+    S: InboxStore + SagaStore,
+{
+    for definition in &config.definitions {
+        let name = definition.name().to_owned();
+        let label = format!("orchestrator of {name}");
+        let (actor, _handle) = supervision
+            .spawn(
+                &label,
+                Orchestrator::new(),
+                OrchestratorArguments {
+                    definition: Arc::new(definition.clone()),
+                    store: store.clone(),
+                    dispatch: Arc::clone(dispatch),
+                    stats: Arc::new(DriveStats::default()),
+                },
+            )
+            .await
+            .map_err(|e| spawn_error(&label, e))?;
+        running.actors.push(actor.clone());
+        let start = start_consumer(&name).map_err(|source| OrchestrateError::SagaName {
+            name: name.clone(),
+            source,
+        })?;
+        let consumer = Consumer::spawn(
+            config.amqp.clone(),
+            ConsumerOptions::new(start, [name.clone()]),
+            move |envelope: Envelope| {
+                let actor = actor.clone();
+                async move { start_saga(&actor, envelope).await }
+            },
+        )
+        .await?;
+        running.consumers.push(consumer);
+    }
+    Ok(())
+}
+
+/// Hands a start message to its orchestrator and says how to settle it.
+async fn start_saga(actor: &ActorRef<OrchestratorMessage>, start: Envelope) -> Disposition {
+    let answer = ractor::call_t!(
+        actor,
+        OrchestratorMessage::Start,
+        START_WITHIN_MS,
+        start.clone()
+    );
+    match answer {
+        Ok(Ok(saga_id)) => {
+            let reply = Envelope::new(
+                start.id.derived("started"),
+                STARTED_KIND,
+                json!({ "saga_id": saga_id, "saga": start.kind }),
+            )
+            .map(|reply| reply.with_saga_id(saga_id.as_str()));
+            match reply {
+                Ok(reply) => Disposition::Done { reply: Some(reply) },
+                Err(error) => Disposition::Reject(error.to_string()),
+            }
+        }
+        Ok(Err(error @ StartError::Store { .. })) => Disposition::Retry(error.to_string()),
+        Ok(Err(error)) => Disposition::Reject(error.to_string()),
+        Err(error) => Disposition::Retry(format!("the orchestrator did not answer: {error}")),
+    }
+}
+
+async fn resume_forever(actors: &[ActorRef<OrchestratorMessage>], interval: Duration) {
+    loop {
+        for actor in actors {
+            match ractor::call!(actor, OrchestratorMessage::ResumeAll) {
+                Ok(Ok(started)) if started > 0 => tracing::debug!(started, "resumed sagas"),
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) => tracing::warn!(%error, "resuming sagas failed"),
+                Err(error) => tracing::warn!(%error, "the orchestrator did not answer"),
+            }
+        }
+        tokio::time::sleep(interval).await;
+    }
+}
+
+fn spawn_error(what: &str, error: impl std::fmt::Display) -> OrchestrateError {
+    OrchestrateError::Spawn {
+        what: what.to_owned(),
+        reason: error.to_string(),
+    }
+}
