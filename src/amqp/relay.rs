@@ -88,6 +88,24 @@ impl OutboxSource for sqlx::SqlitePool {
     }
 }
 
+// The stores too: the outbox lives in the inbox's database (its rows commit in the
+// guard's transaction), so a store is its own relay source.
+#[cfg(feature = "postgres")]
+impl OutboxSource for crate::PostgresStore {
+    type Db = sqlx::Postgres;
+    fn pool(&self) -> &sqlx::Pool<Self::Db> {
+        crate::PostgresStore::pool(self)
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl OutboxSource for crate::SqliteStore {
+    type Db = sqlx::Sqlite;
+    fn pool(&self) -> &sqlx::Pool<Self::Db> {
+        crate::SqliteStore::pool(self)
+    }
+}
+
 /// Messages the [`Relay`] handles.
 #[derive(Debug)]
 pub enum RelayMessage {
