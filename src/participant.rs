@@ -15,7 +15,7 @@
 //!   cannot pile up in it either.
 //!
 //! And, when configured: the outbox [`Relay`] ([`Participant::relay`]), the
-//! [`Pruner`](crate::pruner::Pruner) ([`Participant::pruner`]; several instances elect
+//! [`Pruner`] ([`Participant::pruner`]; several instances elect
 //! one pass at a time through [`InboxStore::try_maintenance_lock`]), and the Prometheus
 //! endpoint ([`Participant::metrics_addr`], feature `prometheus`).
 //!
