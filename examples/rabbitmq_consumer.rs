@@ -1,7 +1,7 @@
-//! A hand-written RabbitMQ consumer using the inbox guard: a payment participant that
-//! consumes `sagabox-example.payment`, charges inside the guard's transaction, writes a
-//! "charged" message to the outbox in that same transaction, and acks only after commit.
-//! A [`Relay`] then publishes the outbox to `sagabox-example.email` with confirms.
+//! A payment participant on the [`Participant`] runtime: it consumes
+//! `sagabox-example.payment`, charges inside the inbox guard's transaction, writes a
+//! "charged" message to the outbox in that same transaction, and acks only after commit;
+//! the runtime's relay publishes the outbox to `sagabox-example.email` with confirms.
 //!
 //! The program publishes the same charge three times with a plain AMQP publisher (as a
 //! producer retrying after a lost confirm would) plus one message without a
@@ -13,23 +13,46 @@
 //! AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f DATABASE_URL=sqlite:/tmp/x.db cargo run --example rabbitmq_consumer
 //! ```
 
-use std::sync::Arc;
-use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
 
 use lapin::BasicProperties;
 use lapin::options::{BasicGetOptions, QueueDeleteOptions};
-use sagabox::amqp::{
-    AmqpConfig, Consumer, ConsumerOptions, DEAD_REASON_HEADER, Disposition, Relay, RelayArguments,
-    RelayConfig, RelayMessage, codec,
-};
+use sagabox::amqp::{AmqpConfig, DEAD_REASON_HEADER, RelayConfig, codec};
 use sagabox::outbox::OutboxWriter;
-use sagabox::supervisor::Supervision;
-use sagabox::{
-    ConsumerType, Envelope, GuardError, InboxConfig, InboxGuard, MessageId, Outcome, SqliteStore,
-};
-use serde_json::json;
-use sqlx::SqliteConnection;
+use sagabox::participant::StepOptions;
+use sagabox::step::{StepError, StepHandler};
+use sagabox::{ConsumerType, Envelope, MessageId, Participant, SqliteStore};
+use serde_json::{Value, json};
+use sqlx::{Sqlite, SqliteConnection};
+
+/// The payment step: a charge in the ledger and a "charged" message for `email`, in the
+/// guard's transaction — both committed with the inbox row, or neither.
+struct Payment {
+    email: ConsumerType,
+}
+
+impl StepHandler<Sqlite> for Payment {
+    async fn handle(
+        &self,
+        conn: &mut SqliteConnection,
+        envelope: &Envelope,
+    ) -> Result<Value, StepError> {
+        let retryable = |error: sqlx::Error| StepError::Retryable(error.to_string());
+        let order = envelope.payload["order_id"].as_str().unwrap_or_default();
+        sqlx::query("INSERT INTO payment_charges (order_id, cents) VALUES ($1, $2)")
+            .bind(order)
+            .bind(envelope.payload["cents"].as_i64())
+            .execute(&mut *conn)
+            .await
+            .map_err(retryable)?;
+        let charged = SqliteConnection::message("charged", json!({"order_id": order}))
+            .map_err(|error| StepError::Permanent(error.to_string()))?;
+        conn.publish(&self.email, order, &charged)
+            .await
+            .map_err(retryable)?;
+        Ok(json!({"charged": envelope.payload["cents"]}))
+    }
+}
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -42,79 +65,27 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let database_url =
         std::env::var("DATABASE_URL").unwrap_or_else(|_| format!("sqlite:{}", path.display()));
 
-    // The inbox and the business table, in one database.
+    // The inbox, the business table and the outbox, in one database.
     let store = SqliteStore::connect(&database_url, 4).await?;
-    let guard = InboxGuard::new(store, InboxConfig::default())?;
-    guard.migrate().await?;
-    let pool = guard.store().pool().clone();
+    let pool = store.pool().clone();
     sqlx::query("CREATE TABLE IF NOT EXISTS payment_charges (order_id TEXT NOT NULL, cents INTEGER NOT NULL)")
         .execute(&pool)
         .await?;
-
     let config = AmqpConfig::new(amqp_url.clone()).with_queue_prefix("sagabox-example");
-    let payment = ConsumerType::new("payment")?;
-    let email = ConsumerType::new("email")?;
+    let (payment, email) = (ConsumerType::new("payment")?, ConsumerType::new("email")?);
 
-    // The consumer: every message through the guard; ack only after it returned.
-    let consumer = {
-        let (guard, payment, email) = (guard.clone(), payment.clone(), email.clone());
-        Consumer::spawn(
-            config.clone(),
-            ConsumerOptions::new(payment.clone(), ["charge"]),
-            move |envelope: Envelope| {
-                let (guard, payment, email) = (guard.clone(), payment.clone(), email.clone());
-                async move {
-                    let processed = guard
-                        .process(&payment, &envelope, async |conn, envelope| {
-                            let order = envelope.payload["order_id"].as_str().unwrap_or_default();
-                            sqlx::query(
-                                "INSERT INTO payment_charges (order_id, cents) VALUES ($1, $2)",
-                            )
-                            .bind(order)
-                            .bind(envelope.payload["cents"].as_i64())
-                            .execute(&mut *conn)
-                            .await?;
-                            // Committed with the charge, or not at all.
-                            let charged = <SqliteConnection as OutboxWriter>::message(
-                                "charged",
-                                json!({"order_id": order}),
-                            )
-                            .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
-                            conn.publish(&email, order, &charged).await?;
-                            Ok::<_, sqlx::Error>(json!({"charged": envelope.payload["cents"]}))
-                        })
-                        .await;
-                    match processed {
-                        Ok(Outcome::Applied(_) | Outcome::Duplicate { .. }) => {
-                            Disposition::Done { reply: None }
-                        }
-                        // A database hiccup: try again later.
-                        Err(GuardError::Inbox(error)) if error.is_retryable() => {
-                            Disposition::Retry(error.to_string())
-                        }
-                        Err(GuardError::Handler(error)) => Disposition::Retry(error.to_string()),
-                        // Expired, pruned month, clock skew: will never pass.
-                        Err(error) => Disposition::Reject(error.to_string()),
-                    }
-                }
+    // The runtime: the queue consumed through the guard, the outbox relayed. A service
+    // would call `.run(shutdown_signal)` instead of `start` and `stop`.
+    let participant = Participant::new(store, config.clone())
+        .step_with(
+            "payment",
+            Payment {
+                email: email.clone(),
             },
+            StepOptions::default().kinds(["charge"]),
         )
-        .await?
-    };
-
-    // The relay: publishes the outbox with confirms, marks rows sent after. Linked to a
-    // supervisor, so that its death would reach this code instead of going unnoticed.
-    let supervision = Supervision::start().await?;
-    let (relay, _) = supervision
-        .spawn(
-            "relay",
-            Relay::new(),
-            RelayArguments {
-                source: pool.clone(),
-                amqp: config.clone(),
-                config: RelayConfig::default(),
-            },
-        )
+        .relay(RelayConfig::default())
+        .start()
         .await?;
 
     // A producer publishes the same charge three times, and one message with no id.
@@ -127,14 +98,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     )?;
     let (body, properties) = codec::encode(&charge);
     let queue = config.queue(&payment);
-    for _ in 0..3 {
+    for properties in [properties.clone(), properties.clone(), properties] {
         channel
             .basic_publish(
                 "".into(),
                 queue.as_str().into(),
                 Default::default(),
                 &body,
-                properties.clone(),
+                properties,
             )
             .await?;
     }
@@ -148,18 +119,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .await?;
 
-    let stats = Arc::clone(consumer.stats());
     let deadline = Instant::now() + Duration::from_secs(20);
-    while stats.acked.load(SeqCst) < 3 || stats.dead_lettered.load(SeqCst) < 1 {
+    while participant
+        .report()
+        .step("payment")
+        .is_none_or(|step| step.acked < 3 || step.dead_lettered < 1)
+    {
         if Instant::now() > deadline {
-            return Err("the consumer did not settle the four messages in 20 s".into());
+            return Err("the participant did not settle the four messages in 20 s".into());
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    supervision.check()?;
-    let relayed = ractor::call!(relay, RelayMessage::Flush)?;
-    supervision.stop().await;
-    consumer.stop().await;
+    // Stops in order: deliveries in flight finished and acked, the outbox published.
+    let report = participant.stop().await?;
 
     let charges: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM payment_charges")
         .fetch_one(&pool)
@@ -168,9 +140,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         sqlx::query_scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NOT NULL")
             .fetch_one(&pool)
             .await?;
-    println!("deliveries acked:        {}", stats.acked.load(SeqCst));
+    let acked = report.step("payment").map_or(0, |step| step.acked);
+    println!("deliveries acked:        {acked}");
     println!("charges in the ledger:   {charges}");
-    println!("outbox rows relayed:     {outbox_sent} (this flush: {relayed:?})");
+    println!("outbox rows relayed:     {outbox_sent}");
     let email_queue = config.queue(&email);
     if let Some(message) = channel
         .basic_get(
@@ -196,12 +169,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             codec::header(&message.delivery.properties, DEAD_REASON_HEADER).unwrap_or_default()
         );
     }
-    for queue in [
-        queue,
-        dead_queue,
-        email_queue.clone(),
-        config.dead_queue(&email),
-    ] {
+    for queue in [queue, dead_queue, email_queue, config.dead_queue(&email)] {
         channel
             .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
             .await?;

@@ -72,6 +72,8 @@
 //! - `amqp` (feature `rabbitmq`): the RabbitMQ transport — a consumer that acks after
 //!   commit and dead-letters bad input, the outbox relay with publisher confirms, and the
 //!   orchestrator's commands and replies over queues.
+//! - `participant` (feature `rabbitmq`): the `Participant` runtime — a team's step
+//!   handlers behind RabbitMQ with the relay, the pruner and metrics, drained on shutdown.
 //! - [`pruner`]: the [`Pruner`](pruner::Pruner) actor — partitions ahead, expired ones dropped.
 //! - [`supervisor`]: [`Supervision`](supervisor::Supervision) — the process's actors linked
 //!   to one supervisor, so that a death ends the run with its cause instead of a hang.
@@ -120,6 +122,8 @@ pub mod metrics;
 pub mod month;
 pub mod orchestrator;
 pub mod outbox;
+#[cfg(feature = "rabbitmq")]
+pub mod participant;
 pub mod pruner;
 pub mod saga;
 pub mod step;
@@ -131,6 +135,8 @@ pub use clock::{Clock, InvalidClockSpeed, ManualClock, ScaledClock, SystemClock}
 pub use envelope::{ConsumerType, Envelope, KeyError, MAX_KEY_BYTES, MessageId};
 pub use inbox::{ConfigError, GuardError, InboxConfig, InboxError, InboxGuard, MAX_BATCH, Outcome};
 pub use month::Month;
+#[cfg(feature = "rabbitmq")]
+pub use participant::{Participant, ParticipantError, ParticipantHandle, ParticipantReport};
 #[cfg(feature = "postgres")]
 pub use store::PostgresStore;
 #[cfg(feature = "sqlite")]

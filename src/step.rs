@@ -7,6 +7,14 @@
 //! back (nothing recorded), and the sender sees [`StepFailure::Retryable`] — the message
 //! is not lost, because the sender still holds it and retries (safe: the inbox).
 //!
+//! The pool's own queue (the factory's, where commands wait for a free worker) is
+//! unbounded by default: callers that await each answer keep it as short as their own
+//! number of calls in flight, but a caller that gives up on a timeout leaves its command
+//! queued. [`StepPool::spawn_bounded`] caps it: a command arriving at a full queue is
+//! answered at once with [`StepFailure::Retryable`] instead of waiting. The
+//! `Participant` runtime (feature `rabbitmq`) caps it at the broker's prefetch, so the
+//! broker's queue is the only one that grows.
+//!
 //! A [`StepError::Permanent`] refusal (card declined, out of stock) is recorded in the
 //! inbox like a result, so a duplicate gets the same refusal; a
 //! [`StepError::Retryable`] rolls back and leaves no row.
@@ -18,7 +26,8 @@ use std::time::Duration;
 use ractor::factory::queues::DefaultQueue;
 use ractor::factory::routing::QueuerRouting;
 use ractor::factory::{
-    Factory, FactoryArguments, FactoryMessage, Job, Worker, WorkerId, worker_builder,
+    DiscardHandler, DiscardMode, DiscardReason, DiscardSettings, Factory, FactoryArguments,
+    FactoryMessage, Job, Worker, WorkerId, worker_builder,
 };
 use ractor::rpc::CallResult;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SpawnErr};
@@ -130,6 +139,48 @@ enum Command {
         envelopes: Vec<Envelope>,
         reply: RpcReplyPort<Vec<Result<StepReply, StepFailure>>>,
     },
+    /// What is left of a command the factory discarded after answering it.
+    Answered,
+}
+
+/// Answers a command the factory drops (a full queue, or the pool stopping) with why,
+/// instead of letting its caller read a dropped reply port as a crashed worker.
+#[derive(Debug)]
+struct AnswerDiscarded {
+    consumer_type: ConsumerType,
+    queue_limit: Option<usize>,
+}
+
+impl DiscardHandler<(), StepCommand> for AnswerDiscarded {
+    fn discard(&self, reason: DiscardReason, job: &mut Job<(), StepCommand>) {
+        let why = match (reason, self.queue_limit) {
+            (DiscardReason::Loadshed, Some(limit)) => format!(
+                "the step pool {} has {limit} commands waiting already (its queue limit)",
+                self.consumer_type
+            ),
+            (DiscardReason::Shutdown, _) => {
+                format!("the step pool {} is stopping", self.consumer_type)
+            }
+            (reason, _) => format!(
+                "the step pool {} dropped the command ({reason:?})",
+                self.consumer_type
+            ),
+        };
+        match std::mem::replace(&mut job.msg.0, Command::Answered) {
+            Command::One { reply, .. } => {
+                let _ = reply.send(Err(StepFailure::Retryable(why)));
+            }
+            Command::Batch { envelopes, reply } => {
+                let _ = reply.send(
+                    envelopes
+                        .iter()
+                        .map(|_| Err(StepFailure::Retryable(why.clone())))
+                        .collect(),
+                );
+            }
+            Command::Answered => {}
+        }
+    }
 }
 
 /// A step's answer to an envelope from what the inbox did with it.
@@ -267,6 +318,7 @@ impl<S: InboxStore, H: StepHandler<S::Db>> Worker for StepWorker<S, H> {
             Command::Batch { envelopes, reply } => {
                 let _ = reply.send(self.run_batch(&envelopes).await);
             }
+            Command::Answered => {}
         }
         Ok(key)
     }
@@ -315,7 +367,7 @@ impl StepPool {
         S: InboxStore,
         H: StepHandler<S::Db>,
     {
-        Self::spawn_under(guard, consumer_type, handler, config, None).await
+        Self::spawn_under(guard, consumer_type, handler, config, None, None).await
     }
 
     /// [`StepPool::spawn`], with the pool linked to `supervision`: if the pool itself
@@ -332,7 +384,44 @@ impl StepPool {
         S: InboxStore,
         H: StepHandler<S::Db>,
     {
-        Self::spawn_under(guard, consumer_type, handler, config, Some(supervision)).await
+        Self::spawn_under(
+            guard,
+            consumer_type,
+            handler,
+            config,
+            Some(supervision),
+            None,
+        )
+        .await
+    }
+
+    /// [`StepPool::spawn_supervised`], with at most `queue_limit` commands waiting for a
+    /// free worker: a command arriving when that many wait is answered at once with
+    /// [`StepFailure::Retryable`] (its sender requeues it) rather than queued. Commands
+    /// being run by a worker do not count. With callers that await every answer (a
+    /// broker consumer holding `prefetch` deliveries), a limit of the prefetch is never
+    /// reached unless callers give up on a timeout and leave their commands behind.
+    pub async fn spawn_bounded<S, H>(
+        guard: InboxGuard<S>,
+        consumer_type: ConsumerType,
+        handler: H,
+        config: StepPoolConfig,
+        queue_limit: usize,
+        supervision: &Supervision,
+    ) -> Result<Self, SpawnErr>
+    where
+        S: InboxStore,
+        H: StepHandler<S::Db>,
+    {
+        Self::spawn_under(
+            guard,
+            consumer_type,
+            handler,
+            config,
+            Some(supervision),
+            Some(queue_limit),
+        )
+        .await
     }
 
     async fn spawn_under<S, H>(
@@ -341,6 +430,7 @@ impl StepPool {
         handler: H,
         config: StepPoolConfig,
         supervision: Option<&Supervision>,
+        queue_limit: Option<usize>,
     ) -> Result<Self, SpawnErr>
     where
         S: InboxStore,
@@ -358,11 +448,25 @@ impl StepPool {
                 (worker, ())
             })
         };
+        // The newest is refused: it is the command the one whose sender is still waiting and
+        // can requeue it, not an older one whose sender may have timed out already.
+        let discard_settings = match queue_limit {
+            Some(limit) => DiscardSettings::Static {
+                limit,
+                mode: DiscardMode::Newest,
+            },
+            None => DiscardSettings::None,
+        };
         let arguments = FactoryArguments::builder()
             .worker_builder(Box::new(builder))
             .queue(Default::default())
             .router(Default::default())
             .num_initial_workers(config.workers.max(1))
+            .discard_settings(discard_settings)
+            .discard_handler(Arc::new(AnswerDiscarded {
+                consumer_type: consumer_type.clone(),
+                queue_limit,
+            }))
             .build();
         let (factory, handle) = match supervision {
             Some(supervision) => {
@@ -459,6 +563,11 @@ impl StepPool {
                 "the step pool is not running: {error}"
             ))),
         }
+    }
+
+    /// The pool's actor, for an operator's diagnostics (its supervision, its children).
+    pub(crate) fn cell(&self) -> ractor::ActorCell {
+        self.factory.get_cell()
     }
 
     /// Stops the pool after the commands in flight.

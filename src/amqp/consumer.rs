@@ -136,6 +136,12 @@ impl ConsumerHandle {
         &self.stats
     }
 
+    /// Whether the consumer has ended without being stopped: it reconnects after every
+    /// broker failure, so only a bug (a panic outside the handler) ends it early.
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
     /// Stops consuming, lets the deliveries in flight finish and settle, and closes the
     /// connection.
     pub async fn stop(self) {

@@ -62,6 +62,12 @@ fn read_reply(payload: &Value) -> Option<(String, StepReply)> {
 /// Consumes `<prefix>.<consumer_type of pool>` and delivers each command (of `kinds`)
 /// to `pool`, waiting up to `timeout` for its answer; replies to the sender. A step
 /// failure that may pass is requeued; one the inbox refuses is dead-lettered.
+///
+/// Each delivery awaits its answer, so the commands in flight are at most the prefetch
+/// — except that a delivery that timed out leaves its command in the pool's queue while
+/// the broker hands over the next one. Give a pool made with
+/// [`StepPool::spawn_bounded`] (the [`Participant`](crate::Participant) does) to cap
+/// that queue too.
 pub async fn serve_step(
     config: AmqpConfig,
     pool: Arc<StepPool>,

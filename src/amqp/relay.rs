@@ -14,6 +14,7 @@
 //! [`RelayConfig::keep_sent`] are deleted on a timer.
 
 use std::collections::HashSet;
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
@@ -70,6 +71,18 @@ pub trait OutboxSource: Clone + Send + Sync + 'static {
     type Db: Database;
     /// The pool.
     fn pool(&self) -> &sqlx::Pool<Self::Db>;
+
+    /// Begins a pass's transaction, which reads the pending rows and then marks them.
+    /// Defaults to a plain `BEGIN`; SQLite takes its write lock up front
+    /// (`BEGIN IMMEDIATE`, waiting out the busy timeout), because a deferred
+    /// transaction that has read cannot start writing while another connection writes —
+    /// the pass would fail after publishing, and publish its rows again.
+    fn begin(
+        &self,
+    ) -> impl Future<Output = Result<sqlx::Transaction<'static, Self::Db>, sqlx::Error>> + Send
+    {
+        self.pool().begin()
+    }
 }
 
 #[cfg(feature = "postgres")]
@@ -85,6 +98,32 @@ impl OutboxSource for sqlx::SqlitePool {
     type Db = sqlx::Sqlite;
     fn pool(&self) -> &sqlx::Pool<Self::Db> {
         self
+    }
+    async fn begin(&self) -> Result<sqlx::Transaction<'static, Self::Db>, sqlx::Error> {
+        self.begin_with("BEGIN IMMEDIATE").await
+    }
+}
+
+// The stores too: the outbox lives in the inbox's database (its rows commit in the
+// guard's transaction), so a store is its own relay source.
+#[cfg(feature = "postgres")]
+impl OutboxSource for crate::PostgresStore {
+    type Db = sqlx::Postgres;
+    fn pool(&self) -> &sqlx::Pool<Self::Db> {
+        crate::PostgresStore::pool(self)
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl OutboxSource for crate::SqliteStore {
+    type Db = sqlx::Sqlite;
+    fn pool(&self) -> &sqlx::Pool<Self::Db> {
+        crate::SqliteStore::pool(self)
+    }
+    async fn begin(&self) -> Result<sqlx::Transaction<'static, Self::Db>, sqlx::Error> {
+        crate::SqliteStore::pool(self)
+            .begin_with("BEGIN IMMEDIATE")
+            .await
     }
 }
 
@@ -270,10 +309,9 @@ where
 
     /// One transaction: claim, publish, confirm, mark, commit.
     async fn pass(&mut self) -> Result<usize, RelayError> {
-        let pool = self.source.pool().clone();
         let amqp = self.amqp.clone();
         let batch = self.config.batch;
-        let mut tx = pool.begin().await?;
+        let mut tx = self.source.begin().await?;
         let rows: Vec<OutboxRow> = (*tx).claim(batch).await?;
         if rows.is_empty() {
             return Ok(0);
