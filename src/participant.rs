@@ -205,10 +205,7 @@ impl<S: InboxStore, H: StepHandler<S::Db>> HostStep<S> for Hosted<H> {
         queue_limit: usize,
         supervision: &'a Supervision,
     ) -> BoxFuture<'a, Result<StepPool, SpawnErr>> {
-        let config = StepPoolConfig {
-            workers,
-            bypass_inbox: false,
-        };
+        let config = StepPoolConfig { workers };
         Box::pin(StepPool::spawn_bounded(
             guard,
             consumer_type,

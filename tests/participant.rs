@@ -738,10 +738,7 @@ async fn a_bounded_pool_answers_at_once_when_its_queue_is_full() {
             guard,
             ConsumerType::new("ledger").unwrap(),
             ledger,
-            StepPoolConfig {
-                workers: 1,
-                ..StepPoolConfig::default()
-            },
+            StepPoolConfig { workers: 1 },
             1,
             &supervision,
         )
