@@ -1,5 +1,6 @@
 //! `sagabox orchestrate --saga sagas/trip.toml`, the built binary, drives trip sagas
-//! whose participants run in another process (this test's), over a real RabbitMQ and a
+//! whose participants run in another process (this test's, on the `Participant`
+//! runtime), over a real RabbitMQ and a
 //! real PostgreSQL: a start message delivered twice makes one saga and both deliveries
 //! are answered with its id; a trip without a car is compensated, the hotel cancelled
 //! before the flight. Every check reads the participants' tables and `saga_instances`.
@@ -11,30 +12,16 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::process::Stdio;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lapin::BasicProperties;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
-use sagabox::amqp::{STARTED_KIND, codec, serve_step, start_queue};
-use sagabox::saga::SagaDefinition;
-use sagabox::{InboxConfig, InboxGuard, MessageId};
+use sagabox::MessageId;
+use sagabox::amqp::{STARTED_KIND, codec, start_queue};
 use sagabox_trip::Trip;
 
 const BOUND: Duration = Duration::from_secs(60);
-
-/// The message kinds `consumer_type` takes in `definition`.
-fn kinds(definition: &SagaDefinition, consumer_type: &sagabox::ConsumerType) -> BTreeSet<String> {
-    definition
-        .steps()
-        .iter()
-        .filter(|step| step.consumer_type() == consumer_type)
-        .flat_map(|step| [Some(step.command()), step.compensation()])
-        .flatten()
-        .map(str::to_owned)
-        .collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn orchestrate_drives_trips_whose_participants_run_elsewhere_and_a_repeated_start_makes_one_saga()
@@ -43,25 +30,13 @@ async fn orchestrate_drives_trips_whose_participants_run_elsewhere_and_a_repeate
     let rabbit =
         common::rabbit::Rabbit::new(&["flight", "hotel", "car", "notify", "trip.start"]).await;
     fx.exec(sagabox_trip::schema::POSTGRES).await;
-    let definition = sagabox_trip::definition().unwrap();
 
-    // The participants: this process, over the broker.
-    let guard = InboxGuard::new(fx.store(8).await, InboxConfig::default()).unwrap();
-    guard.migrate().await.unwrap();
-    let mut consumers = Vec::new();
-    for pool in sagabox_trip::step_pools(&guard, 2).await.unwrap() {
-        let kinds = kinds(&definition, pool.consumer_type());
-        consumers.push(
-            serve_step(
-                rabbit.config.clone(),
-                Arc::new(pool),
-                kinds,
-                Duration::from_secs(5),
-            )
-            .await
-            .unwrap(),
-        );
-    }
+    // The participants: this process, on the runtime, over the broker.
+    let participants = sagabox_trip::participant(fx.store(8).await, rabbit.config.clone())
+        .workers(2)
+        .start()
+        .await
+        .unwrap();
 
     // The orchestrator: the built binary.
     let saga_file = concat!(env!("CARGO_MANIFEST_DIR"), "/../sagas/trip.toml");
@@ -237,8 +212,7 @@ async fn orchestrate_drives_trips_whose_participants_run_elsewhere_and_a_repeate
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert!(status.success(), "orchestrate ended with {status}");
-    for consumer in consumers {
-        consumer.stop().await;
-    }
+    let report = participants.stop().await.unwrap();
+    assert!(format!("{report:?}").contains("flight"), "{report:?}");
     drop(requests);
 }

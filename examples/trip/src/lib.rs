@@ -38,6 +38,8 @@ pub mod hotel;
 pub mod notify;
 pub mod schema;
 
+use sagabox::Participant;
+use sagabox::amqp::AmqpConfig;
 use sagabox::orchestrator::InProcess;
 use sagabox::saga::{DefinitionError, SagaDefinition};
 use sagabox::step::{StepError, StepPool, StepPoolConfig};
@@ -163,6 +165,21 @@ where
     Ok(pools
         .into_iter()
         .fold(InProcess::new(), InProcess::with_pool))
+}
+
+/// The four participants on the [`Participant`] runtime, behind the broker of `amqp`:
+/// each consumes `<prefix>.<consumer_type>` (flight, hotel, car, notify) through the
+/// inbox of `store`. Add the relay, the pruner or the metrics endpoint before starting it.
+pub fn participant<S>(store: S, amqp: AmqpConfig) -> Participant<S>
+where
+    S: InboxStore + Clone,
+    S::Db: TripDb,
+{
+    Participant::new(store, amqp)
+        .step(flight::CONSUMER, Flight)
+        .step(hotel::CONSUMER, Hotel)
+        .step(car::CONSUMER, Car)
+        .step(notify::CONSUMER, Notify)
 }
 
 /// The four participants' step pools (flight, hotel, car, notify), each of `workers`
