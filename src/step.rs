@@ -206,6 +206,20 @@ fn failure_of(error: InboxError) -> StepFailure {
     }
 }
 
+/// Runs `handler` and turns its answer into what the inbox records: a result or a
+/// refusal (both committed), or the reason of a retryable failure (rolled back).
+async fn record_of<Db: Database, H: StepHandler<Db>>(
+    handler: &H,
+    conn: &mut Db::Connection,
+    envelope: &Envelope,
+) -> Result<Value, String> {
+    match handler.handle(conn, envelope).await {
+        Ok(value) => Ok(StepOutcome::Done(value).to_record()),
+        Err(StepError::Permanent(reason)) => Ok(StepOutcome::Refused(reason).to_record()),
+        Err(StepError::Retryable(reason)) => Err(reason),
+    }
+}
+
 /// A worker of a [`StepPool`].
 #[derive(Debug)]
 pub struct StepWorker<S, H> {
@@ -219,17 +233,9 @@ impl<S: InboxStore, H: StepHandler<S::Db>> StepWorker<S, H> {
         let handler = &self.handler;
         let processed = self
             .guard
-            .process(
-                &self.consumer_type,
-                envelope,
-                async |conn, envelope| match handler.handle(conn, envelope).await {
-                    Ok(value) => Ok(StepOutcome::Done(value).to_record()),
-                    Err(StepError::Permanent(reason)) => {
-                        Ok(StepOutcome::Refused(reason).to_record())
-                    }
-                    Err(StepError::Retryable(reason)) => Err(reason),
-                },
-            )
+            .process(&self.consumer_type, envelope, async |conn, envelope| {
+                record_of::<S::Db, H>(handler, conn, envelope).await
+            })
             .await;
         match processed {
             Ok(outcome) => Ok(reply_of(outcome)),
@@ -246,17 +252,9 @@ impl<S: InboxStore, H: StepHandler<S::Db>> StepWorker<S, H> {
         let handler = &self.handler;
         let processed = self
             .guard
-            .process_batch(
-                &self.consumer_type,
-                envelopes,
-                async |conn, envelope| match handler.handle(conn, envelope).await {
-                    Ok(value) => Ok(StepOutcome::Done(value).to_record()),
-                    Err(StepError::Permanent(reason)) => {
-                        Ok(StepOutcome::Refused(reason).to_record())
-                    }
-                    Err(StepError::Retryable(reason)) => Err(reason),
-                },
-            )
+            .process_batch(&self.consumer_type, envelopes, async |conn, envelope| {
+                record_of::<S::Db, H>(handler, conn, envelope).await
+            })
             .await;
         match processed {
             Ok(outcomes) => {

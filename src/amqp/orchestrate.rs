@@ -282,3 +282,53 @@ fn spawn_error(what: &str, error: impl std::fmt::Display) -> OrchestrateError {
         reason: error.to_string(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    const ONE_STEP: &str = r#"
+name = "ping"
+
+[[steps]]
+name = "ping"
+consumer_type = "pong"
+command = "ping"
+timeout = "5s"
+"#;
+
+    fn config(definitions: Vec<SagaDefinition>, resume_interval: Duration) -> OrchestrateConfig {
+        OrchestrateConfig {
+            definitions,
+            amqp: AmqpConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            resume_interval,
+        }
+    }
+
+    #[test]
+    fn a_config_without_sagas_twice_the_same_saga_or_no_interval_is_refused() {
+        let ping = SagaDefinition::from_toml_str(ONE_STEP).unwrap();
+        let second = Duration::from_secs(1);
+        assert!(matches!(
+            check(&config(vec![], second)),
+            Err(OrchestrateError::NoSagas)
+        ));
+        assert!(matches!(
+            check(&config(vec![ping.clone(), ping.clone()], second)),
+            Err(OrchestrateError::DuplicateSaga(name)) if name == "ping"
+        ));
+        assert!(matches!(
+            check(&config(vec![ping.clone()], Duration::ZERO)),
+            Err(OrchestrateError::ZeroResumeInterval)
+        ));
+        check(&config(vec![ping], second)).unwrap();
+    }
+
+    #[test]
+    fn start_messages_have_a_queue_per_saga() {
+        let amqp = AmqpConfig::new("amqp://localhost").with_queue_prefix("shop");
+        assert_eq!(start_queue(&amqp, "trip").unwrap(), "shop.trip.start");
+    }
+}
