@@ -78,6 +78,7 @@ pub use report::{ParticipantReport, PrunerReport, StepReport};
 
 use crate::amqp::{
     AmqpConfig, OutboxSource, Relay, RelayArguments, RelayConfig, RelayMessage, serve_step,
+    serve_step_batched,
 };
 use crate::clock::Clock;
 use crate::envelope::ConsumerType;
@@ -105,6 +106,12 @@ pub struct StepOptions {
     /// How long a delivery waits for the handler's answer before it is requeued, instead
     /// of the participant's ([`Participant::timeout`]). Defaults to `None`.
     pub timeout: Option<Duration>,
+    /// Claims the deliveries the consumer holds at once in batches of up to this many,
+    /// one transaction and one commit per batch
+    /// ([`serve_step_batched`](crate::amqp::serve_step_batched), a batch closed after
+    /// [`BATCH_LINGER`]); each command still gets its own reply and ack. At most the
+    /// prefetch. Defaults to `None`: one at a time.
+    pub batch: Option<usize>,
 }
 
 impl StepOptions {
@@ -123,6 +130,12 @@ impl StepOptions {
     /// Waits up to `timeout` for this step's answers.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
+        self
+    }
+
+    /// Claims up to `max` commands per transaction (1: one at a time).
+    pub fn batch(mut self, max: usize) -> Self {
+        self.batch = Some(max);
         self
     }
 }
@@ -151,6 +164,10 @@ impl Default for PrunerSettings {
 pub const DEFAULT_WORKERS: usize = 4;
 /// The default time a delivery waits for its handler's answer.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a batch of a batched step ([`StepOptions::batch`]) waits for more
+/// deliveries before it is claimed: short, since the deliveries a consumer holds arrive
+/// together.
+pub const BATCH_LINGER: Duration = Duration::from_millis(2);
 
 /// A participant service: step handlers behind RabbitMQ, the outbox relay, the pruner
 /// and the metrics endpoint, configured with the builder methods and run with
@@ -286,6 +303,7 @@ struct Checked {
     consumer_type: ConsumerType,
     workers: usize,
     timeout: Duration,
+    batch: usize,
 }
 
 impl<S: InboxStore + Clone> Participant<S> {
@@ -430,10 +448,20 @@ impl<S: InboxStore + Clone> Participant<S> {
             if step.options.kinds.iter().any(|kind| kind.trim().is_empty()) {
                 return Err(ParticipantError::EmptyKind { consumer_type });
             }
+            let batch = step.options.batch.unwrap_or(1);
+            let prefetch = usize::from(self.amqp.prefetch);
+            if batch == 0 || batch > prefetch {
+                return Err(ParticipantError::InvalidBatch {
+                    consumer_type,
+                    batch,
+                    prefetch,
+                });
+            }
             checked.push(Checked {
                 consumer_type,
                 workers,
                 timeout,
+                batch,
             });
         }
         if let Some((config, _)) = &self.relay
@@ -548,13 +576,20 @@ impl<S: InboxStore + Clone> Participant<S> {
                 })?;
             let cell = pool.cell();
             let queue = amqp.queue(pool.consumer_type());
-            let consumer = serve_step(
-                amqp.clone(),
-                Arc::new(pool),
-                step.options.kinds,
-                checked.timeout,
-            )
-            .await?;
+            let pool = Arc::new(pool);
+            let consumer = if checked.batch > 1 {
+                serve_step_batched(
+                    amqp.clone(),
+                    pool,
+                    step.options.kinds,
+                    checked.timeout,
+                    checked.batch,
+                    BATCH_LINGER,
+                )
+                .await?
+            } else {
+                serve_step(amqp.clone(), pool, step.options.kinds, checked.timeout).await?
+            };
             handle.add_step(
                 checked.consumer_type,
                 queue,

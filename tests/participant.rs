@@ -232,7 +232,8 @@ async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
 
 /// Two steps; every command published twice; each applied once, each delivery
 /// answered (the second as a duplicate with the first answer), every delivery acked.
-async fn duplicates_are_applied_once_and_every_delivery_is_answered<B: Backend>()
+/// With `batch` above 1, the ledger claims what its consumer holds in batches.
+async fn duplicates_are_applied_once_and_every_delivery_is_answered<B: Backend>(batch: usize)
 where
     Ledger: StepHandler<<B::Store as InboxStore>::Db>,
     Notify: StepHandler<<B::Store as InboxStore>::Db>,
@@ -247,7 +248,7 @@ where
         .step_with(
             "ledger",
             Ledger::default(),
-            StepOptions::default().kinds(["credit"]),
+            StepOptions::default().kinds(["credit"]).batch(batch),
         )
         .step_with("notify", Notify, StepOptions::default().kinds(["notify"]))
         .workers(2)
@@ -372,12 +373,22 @@ where
 
 #[tokio::test]
 async fn postgres_duplicates_are_applied_once_and_every_delivery_is_answered() {
-    duplicates_are_applied_once_and_every_delivery_is_answered::<Pg>().await;
+    duplicates_are_applied_once_and_every_delivery_is_answered::<Pg>(1).await;
 }
 
 #[tokio::test]
 async fn sqlite_duplicates_are_applied_once_and_every_delivery_is_answered() {
-    duplicates_are_applied_once_and_every_delivery_is_answered::<Lite>().await;
+    duplicates_are_applied_once_and_every_delivery_is_answered::<Lite>(1).await;
+}
+
+#[tokio::test]
+async fn postgres_batched_claims_apply_duplicates_once_and_answer_every_delivery() {
+    duplicates_are_applied_once_and_every_delivery_is_answered::<Pg>(4).await;
+}
+
+#[tokio::test]
+async fn sqlite_batched_claims_apply_duplicates_once_and_answer_every_delivery() {
+    duplicates_are_applied_once_and_every_delivery_is_answered::<Lite>(4).await;
 }
 
 #[tokio::test]
@@ -649,6 +660,14 @@ async fn bad_settings_are_refused_with_typed_errors() {
         refused(base().step_with("notify", Notify, StepOptions::default().kinds([""]))),
         ParticipantError::EmptyKind { .. }
     ));
+    for batch in [0, usize::from(amqp.prefetch) + 1] {
+        let batched =
+            refused(base().step_with("notify", Notify, StepOptions::default().batch(batch)));
+        assert!(
+            matches!(batched, ParticipantError::InvalidBatch { batch: b, .. } if b == batch),
+            "{batched}"
+        );
+    }
     assert!(matches!(
         refused(base().step("notify", Notify).relay(RelayConfig {
             batch: 0,

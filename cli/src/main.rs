@@ -127,7 +127,8 @@ enum Command {
         clock_speed: f64,
     },
     /// Run checkout participants over RabbitMQ until interrupted (Ctrl-C or SIGTERM):
-    /// each role consumes <prefix>.<role> through its inbox and replies.
+    /// each role consumes <prefix>.<role> through its inbox and replies; the outbox relay
+    /// and the pruner run beside them.
     #[command(allow_negative_numbers = true, after_help = EXIT_STATUS)]
     Serve {
         /// Roles to serve. Repeat or comma-separate.
@@ -162,6 +163,22 @@ enum Command {
         /// Serve Prometheus metrics at HOST:PORT while serving (e.g. 127.0.0.1:9464).
         #[arg(long, value_name = "HOST:PORT")]
         metrics_addr: Option<String>,
+        /// Days a message stays deduplicated; at least the broker's redelivery window.
+        /// The pruner (a pass at start, then hourly; one instance at a time) drops the
+        /// months older than this.
+        #[arg(long, default_value_t = 30)]
+        ttl_days: u64,
+        /// The broker's maximum redelivery window, in days (SQS: 14).
+        #[arg(long, default_value_t = 14)]
+        broker_retention_days: u64,
+        /// Months ahead of the current one to keep partitions for.
+        #[arg(long, default_value_t = 2)]
+        partitions_ahead: u32,
+        /// Serve with a TTL shorter than the broker retention anyway (logged as a
+        /// warning): a redelivery later than the TTL is then refused, or applied twice if
+        /// it carries no time.
+        #[arg(long)]
+        force_short_ttl: bool,
     },
     /// Drive the sagas defined in TOML files, over RabbitMQ, with their steps served by
     /// other processes. A saga starts from a start message on <prefix>.<saga>.start: an
@@ -390,12 +407,13 @@ fn split_roles(roles: &[Role]) -> (Vec<sagabox::ConsumerType>, bool) {
     let mut steps = Vec::new();
     let mut orchestrator = false;
     for role in roles {
+        use sagabox_checkout::names::{EMAIL, INVENTORY, PAYMENT};
         let names: &[&str] = match role {
-            Role::Payment => &["payment"],
-            Role::Inventory => &["inventory"],
-            Role::Email => &["email"],
+            Role::Payment => &[PAYMENT],
+            Role::Inventory => &[INVENTORY],
+            Role::Email => &[EMAIL],
             Role::Orchestrator => &[],
-            Role::All => &["payment", "inventory", "email"],
+            Role::All => &[PAYMENT, INVENTORY, EMAIL],
         };
         orchestrator |= matches!(role, Role::Orchestrator | Role::All);
         steps.extend(names.iter().copied());
@@ -523,7 +541,18 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             fail_rate,
             seed,
             metrics_addr,
+            ttl_days,
+            broker_retention_days,
+            partitions_ahead,
+            force_short_ttl,
         } => {
+            let inbox = args::retention_config(
+                ttl_days,
+                broker_retention_days,
+                partitions_ahead,
+                force_short_ttl,
+            )
+            .unwrap_or_else(|error| usage_error("serve", error));
             if batch > prefetch {
                 usage_error(
                     "serve",
@@ -551,6 +580,8 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                 seed,
                 resume_interval: Duration::from_secs(1),
                 batch: usize::from(batch),
+                inbox,
+                prune_interval: Duration::from_secs(3600),
             };
             sagabox_checkout::serve(&database_url, config, interrupted())
                 .await

@@ -505,6 +505,18 @@ fn usage_errors_exit_with_status_2() {
                 "payment",
                 "--transport",
                 amqp,
+                "--ttl-days",
+                "3",
+            ],
+            "--force-short-ttl",
+        ),
+        (
+            &[
+                "serve",
+                "--role",
+                "payment",
+                "--transport",
+                amqp,
                 "--prefetch",
                 "0",
             ],
@@ -862,5 +874,96 @@ async fn serve_logs_when_it_is_up_and_when_it_stops() {
         messages,
         ["stopping: finishing the messages in flight", "stopped"],
         "{rest:?}"
+    );
+}
+
+/// `serve` runs the pruner and the outbox relay beside its participants: a month of the
+/// inbox older than `--ttl-days` is dropped by the pass at start, and a row written to
+/// the outbox is published to its queue, once.
+#[tokio::test]
+async fn serve_prunes_expired_months_and_relays_the_outbox() {
+    use sagabox::outbox::OutboxWriter;
+    use sagabox::{ConsumerType, InboxConfig, InboxGuard, Month};
+
+    let fx = common::Pg::new().await;
+    let guard = InboxGuard::new(fx.store(2).await, InboxConfig::default()).unwrap();
+    let expired = Month::of(chrono::Utc::now() - chrono::Duration::days(120)).unwrap();
+    assert_eq!(
+        guard.create_partitions(expired, expired).await.unwrap(),
+        [expired]
+    );
+    let rabbit = common::rabbit::Rabbit::new(&["payment", "notices"]).await;
+    rabbit.declare("notices").await;
+    let notice = sqlx::PgConnection::message("notice", serde_json::json!({"n": 1})).unwrap();
+    let mut conn = fx.pool.acquire().await.unwrap();
+    conn.publish(&ConsumerType::new("notices").unwrap(), "order-1", &notice)
+        .await
+        .unwrap();
+    drop(conn);
+
+    let child = command(&[
+        "serve",
+        "--role",
+        "payment",
+        "--transport",
+        &rabbit.config.url,
+        "--queue-prefix",
+        &rabbit.config.queue_prefix,
+        "--database-url",
+        &fx.url,
+        "--ttl-days",
+        "30",
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut children = common::children::Children::new(vec![child]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while guard.partitions().await.unwrap().contains(&expired)
+        || rabbit.ready(&rabbit.queue("notices")).await == 0
+    {
+        if let Some(status) = children[0].try_wait().unwrap() {
+            let mut stderr = String::new();
+            std::io::Read::read_to_string(&mut children[0].stderr.take().unwrap(), &mut stderr)
+                .unwrap();
+            panic!("serve ended ({status}) before pruning and relaying: {stderr}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "within 60 s, serve neither dropped {expired} nor published the outbox row"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let sent = Command::new("kill")
+        .args(["-TERM", &children[0].id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = children[0].try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "serve did not stop on SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "{status}");
+    let published = rabbit.drain(&rabbit.queue("notices")).await;
+    assert_eq!(published.len(), 1, "the outbox row published once");
+    let message_id = published[0]
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|id| id.to_string());
+    assert_eq!(message_id.as_deref(), Some(notice.id.as_str()));
+    let unsent = fx
+        .scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")
+        .await;
+    assert_eq!(unsent, 0, "the row is marked published");
+    let current = Month::of(chrono::Utc::now()).unwrap();
+    assert!(
+        guard.partitions().await.unwrap().contains(&current),
+        "the current month stays"
     );
 }

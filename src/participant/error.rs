@@ -48,6 +48,20 @@ pub enum ParticipantError {
         /// The step.
         consumer_type: ConsumerType,
     },
+    /// A step's batch size is zero or above the prefetch (a consumer never holds more
+    /// than the prefetch at once, so a larger batch would never fill).
+    #[error(
+        "the step {consumer_type} claims batches of {batch}: give a batch from 1 to the \
+         prefetch ({prefetch})"
+    )]
+    InvalidBatch {
+        /// The step.
+        consumer_type: ConsumerType,
+        /// The batch size asked for.
+        batch: usize,
+        /// The broker's prefetch.
+        prefetch: usize,
+    },
     /// The relay's settings were refused.
     #[error("invalid relay configuration: {0}")]
     InvalidRelay(String),

@@ -1,12 +1,64 @@
-//! The checkout demo's control run: [`FreshIds`] sends every delivery of a command under
-//! a new message id, so the inbox never recognises a repeat — what running the steps
-//! without an inbox does to the business tables, with the participants unchanged.
+//! The demo's fault injection around unchanged participants:
+//!
+//! - [`FailAfterWrite`] wraps a step handler so that a share of its runs fail after the
+//!   handler wrote, before the guard commits: the write rolls back and the command is
+//!   sent again.
+//! - [`FreshIds`] is the control run: it sends every delivery of a command under a new
+//!   message id, so the inbox never recognises a repeat — what running the steps
+//!   without an inbox does to the business tables.
 
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
 use sagabox::envelope::{ConsumerType, Envelope, MessageId};
 use sagabox::orchestrator::Dispatch;
-use sagabox::step::{StepFailure, StepReply};
+use sagabox::step::{StepError, StepFailure, StepHandler, StepReply};
+use serde_json::Value;
+
+/// A step handler whose successful runs fail, at `fail_rate`, after the write and before
+/// the commit (seeded: the same seed fails the same runs in the same order).
+#[derive(Debug, Clone)]
+pub struct FailAfterWrite<H> {
+    inner: H,
+    fail_rate: f64,
+    rng: Arc<Mutex<StdRng>>,
+}
+
+impl<H> FailAfterWrite<H> {
+    /// Wraps `inner`; `fail_rate` is clamped to 0..=1 (0: never fails).
+    pub fn new(inner: H, fail_rate: f64, seed: u64) -> Self {
+        Self {
+            inner,
+            fail_rate: fail_rate.clamp(0.0, 1.0),
+            rng: Arc::new(Mutex::new(StdRng::seed_from_u64(seed))),
+        }
+    }
+
+    fn fails(&self) -> bool {
+        self.rng
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .random_bool(self.fail_rate)
+    }
+}
+
+impl<Db: sqlx::Database, H: StepHandler<Db>> StepHandler<Db> for FailAfterWrite<H> {
+    async fn handle(
+        &self,
+        conn: &mut Db::Connection,
+        envelope: &Envelope,
+    ) -> Result<Value, StepError> {
+        let result = self.inner.handle(conn, envelope).await?;
+        if self.fails() {
+            return Err(StepError::Retryable(
+                "injected failure after the write, before commit".into(),
+            ));
+        }
+        Ok(result)
+    }
+}
 
 /// A [`Dispatch`] that gives each envelope it passes on a fresh UUIDv7 id when `on`.
 #[derive(Debug)]

@@ -1,30 +1,32 @@
 //! How the demo's orchestrator reaches its steps: step pools in this process, or
 //! RabbitMQ ([`DemoDispatch`]); and [`serve`], the participants (and an orchestrator
-//! that resumes unfinished sagas) as a long-running process behind `sagabox serve`.
+//! for checkout sagas) as a long-running service behind `sagabox serve`, on the
+//! library's [`Participant`] runtime and [`orchestrate`].
 
 use std::collections::BTreeSet;
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
-use crate::{Checkout, DemoError};
-use sagabox::Envelope;
+use sagabox::amqp::{AmqpConfig, AmqpDispatch, OrchestrateConfig, RelayConfig, orchestrate};
+use sagabox::clock::Clock;
 use sagabox::envelope::ConsumerType;
-use sagabox::inbox::InboxGuard;
+use sagabox::inbox::{InboxConfig, InboxGuard};
 use sagabox::orchestrator::{Dispatch, InProcess};
-use sagabox::saga::SagaDefinition;
+use sagabox::participant::{PrunerSettings, StepOptions};
+use sagabox::saga::{SagaDefinition, SagaStore};
 use sagabox::step::{StepFailure, StepHandler, StepPool, StepPoolConfig, StepReply};
 use sagabox::store::InboxStore;
 use sagabox::supervisor::Supervision;
+use sagabox::{Envelope, Participant, ParticipantHandle};
 
-use sagabox::amqp::{AmqpConfig, AmqpDispatch, ConsumerHandle, serve_step, serve_step_batched};
+use crate::{CheckoutStep, DemoError, FailAfterWrite};
 
 /// The log target of `serve`'s lifecycle lines (up, stopping, stopped), which
 /// the default log filter of the `sagabox` command shows at `info`.
 pub const SERVE_TARGET: &str = "sagabox::serve";
 
 /// The consumer type the orchestrator's replies are deduplicated as.
-pub const ORCHESTRATOR: &str = "orchestrator";
+pub const ORCHESTRATOR: &str = sagabox::amqp::ORCHESTRATOR_CONSUMER;
 
 /// The message kinds `consumer_type` takes in `definition`: its steps' commands and
 /// compensations.
@@ -50,97 +52,61 @@ fn timeout_of(definition: &SagaDefinition, consumer_type: &ConsumerType) -> Dura
         .unwrap_or(Duration::from_secs(5))
 }
 
-/// Step pools in this process, one per role in `roles`.
-async fn spawn_pools<S>(
-    guard: &InboxGuard<S>,
+/// The consumer types of `definition`'s steps, each once.
+fn roles_of(definition: &SagaDefinition) -> Vec<ConsumerType> {
+    definition
+        .steps()
+        .iter()
+        .map(|step| step.consumer_type().clone())
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect()
+}
+
+/// The handler of `role`, failing `fail_rate` of its runs after the write. Each role
+/// draws its failures from a seed of its own.
+fn handler_of(
+    role: &ConsumerType,
+    fail_rate: f64,
+    seed: u64,
+) -> Result<FailAfterWrite<CheckoutStep>, DemoError> {
+    let step = CheckoutStep::of(role.as_str()).ok_or_else(|| {
+        DemoError::Config(format!(
+            "no checkout participant is called {role}: the roles are payment, inventory and email"
+        ))
+    })?;
+    let salt = role
+        .as_str()
+        .bytes()
+        .fold(0u64, |hash, byte| hash.rotate_left(5) ^ u64::from(byte));
+    Ok(FailAfterWrite::new(step, fail_rate, seed ^ salt))
+}
+
+/// The checkout participants on the [`Participant`] runtime: `roles`, each behind its
+/// queue, taking the kinds `definition` gives it.
+fn participant<S>(
+    store: S,
+    amqp: AmqpConfig,
+    definition: &SagaDefinition,
     roles: &[ConsumerType],
-    handler: &Checkout,
-    pool_config: &StepPoolConfig,
-    supervision: &Supervision,
-) -> Result<Vec<StepPool>, DemoError>
+    fail_rate: f64,
+    seed: u64,
+    batch: usize,
+) -> Result<Participant<S>, DemoError>
 where
-    S: InboxStore,
-    Checkout: StepHandler<S::Db>,
+    S: InboxStore + Clone,
+    CheckoutStep: StepHandler<S::Db>,
 {
-    let mut pools = Vec::with_capacity(roles.len());
+    let mut participant = Participant::new(store, amqp);
     for role in roles {
-        let pool = StepPool::spawn_supervised(
-            guard.clone(),
-            role.clone(),
-            handler.clone(),
-            pool_config.clone(),
-            supervision,
-        )
-        .await
-        .map_err(|e| DemoError::Actor(e.to_string()))?;
-        pools.push(pool);
+        let options = StepOptions::default()
+            .kinds(kinds_of(definition, role))
+            .timeout(timeout_of(definition, role))
+            .batch(batch);
+        participant =
+            participant.step_with(role.as_str(), handler_of(role, fail_rate, seed)?, options);
     }
-    Ok(pools)
-}
-
-/// Participants served over RabbitMQ: each role's step pool behind its queue.
-#[derive(Debug)]
-pub struct Participants {
-    consumers: Vec<ConsumerHandle>,
-    pools: Vec<Arc<StepPool>>,
-}
-
-impl Participants {
-    /// Starts a step pool and a consumer of its queue for every role; with `batch` > 1,
-    /// the commands a consumer holds at once are claimed in batches of up to `batch`.
-    #[allow(clippy::too_many_arguments)]
-    pub async fn start<S>(
-        guard: &InboxGuard<S>,
-        definition: &SagaDefinition,
-        roles: &[ConsumerType],
-        handler: &Checkout,
-        pool_config: &StepPoolConfig,
-        amqp: &AmqpConfig,
-        batch: usize,
-        supervision: &Supervision,
-    ) -> Result<Self, DemoError>
-    where
-        S: InboxStore,
-        Checkout: StepHandler<S::Db>,
-    {
-        let mut participants = Self {
-            consumers: Vec::new(),
-            pools: Vec::new(),
-        };
-        for pool in spawn_pools(guard, roles, handler, pool_config, supervision).await? {
-            let role = pool.consumer_type().clone();
-            let pool = Arc::new(pool);
-            let (kinds, timeout) = (kinds_of(definition, &role), timeout_of(definition, &role));
-            let consumer = if batch > 1 {
-                serve_step_batched(
-                    amqp.clone(),
-                    Arc::clone(&pool),
-                    kinds,
-                    timeout,
-                    batch,
-                    Duration::from_millis(2),
-                )
-                .await?
-            } else {
-                serve_step(amqp.clone(), Arc::clone(&pool), kinds, timeout).await?
-            };
-            participants.consumers.push(consumer);
-            participants.pools.push(pool);
-        }
-        Ok(participants)
-    }
-
-    /// Stops consuming (in-flight commands finish and are acked), then the pools.
-    pub async fn stop(self) {
-        for consumer in self.consumers {
-            consumer.stop().await;
-        }
-        for pool in self.pools {
-            if let Ok(pool) = Arc::try_unwrap(pool) {
-                pool.stop().await;
-            }
-        }
-    }
+    Ok(participant)
 }
 
 /// The demo's [`Dispatch`]: step pools in process, or RabbitMQ.
@@ -154,71 +120,82 @@ pub enum DemoDispatch {
     Amqp {
         /// The orchestrator's side.
         dispatch: Box<AmqpDispatch>,
-        /// Participants served from this process, if any.
-        participants: Option<Participants>,
+        /// The participants served from this process, if any.
+        participants: Option<ParticipantHandle>,
     },
 }
 
 impl DemoDispatch {
-    /// Builds the dispatch `transport` asks for. `None` is in process.
-    pub(super) async fn start<S>(
+    /// Builds the dispatch `transport` asks for (`None`: in process), with the step
+    /// handlers failing `fail_rate` of their runs after the write.
+    pub(crate) async fn start<S>(
         guard: &InboxGuard<S>,
+        clock: impl Clock,
         definition: &SagaDefinition,
-        handler: &Checkout,
-        pool_config: &StepPoolConfig,
+        (fail_rate, seed): (f64, u64),
         transport: Option<&crate::DemoTransport>,
         supervision: &Supervision,
     ) -> Result<Self, DemoError>
     where
-        S: InboxStore,
-        Checkout: StepHandler<S::Db>,
+        S: InboxStore + Clone,
+        CheckoutStep: StepHandler<S::Db>,
     {
-        let roles: Vec<ConsumerType> = definition
-            .steps()
-            .iter()
-            .map(|step| step.consumer_type().clone())
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .collect();
-        match transport {
-            None => {
-                let mut dispatch = InProcess::new();
-                for pool in spawn_pools(guard, &roles, handler, pool_config, supervision).await? {
-                    dispatch = dispatch.with_pool(pool);
-                }
-                Ok(DemoDispatch::InProcess(dispatch))
-            }
-            Some(transport) => {
-                let amqp = transport.amqp();
-                let participants = if transport.external_participants {
-                    None
-                } else {
-                    Some(
-                        Participants::start(
-                            guard,
-                            definition,
-                            &roles,
-                            handler,
-                            pool_config,
-                            &amqp,
-                            1,
-                            supervision,
-                        )
-                        .await?,
-                    )
-                };
-                let dispatch = AmqpDispatch::connect(
-                    amqp,
+        let roles = roles_of(definition);
+        let Some(transport) = transport else {
+            let mut dispatch = InProcess::new();
+            for role in &roles {
+                let pool = StepPool::spawn_supervised(
                     guard.clone(),
-                    ConsumerType::new(ORCHESTRATOR)
-                        .map_err(|e| DemoError::Config(e.to_string()))?,
+                    role.clone(),
+                    handler_of(role, fail_rate, seed)?,
+                    StepPoolConfig { workers: 4 },
+                    supervision,
                 )
-                .await?;
-                Ok(DemoDispatch::Amqp {
-                    dispatch: Box::new(dispatch),
-                    participants,
-                })
+                .await
+                .map_err(|e| DemoError::Actor(e.to_string()))?;
+                dispatch = dispatch.with_pool(pool);
             }
+            return Ok(DemoDispatch::InProcess(dispatch));
+        };
+        let amqp = transport.amqp();
+        let participants = if transport.external_participants {
+            None
+        } else {
+            let participant = participant(
+                guard.store().clone(),
+                amqp.clone(),
+                definition,
+                &roles,
+                fail_rate,
+                seed,
+                1,
+            )?
+            .clock(clock)
+            .workers(4)
+            .skip_migrations();
+            Some(participant.start().await?)
+        };
+        let dispatch = AmqpDispatch::connect(
+            amqp,
+            guard.clone(),
+            ConsumerType::new(ORCHESTRATOR).map_err(|e| DemoError::Config(e.to_string()))?,
+        )
+        .await?;
+        Ok(DemoDispatch::Amqp {
+            dispatch: Box::new(dispatch),
+            participants,
+        })
+    }
+
+    /// Resolves when the participants this process serves fail (never for step pools in
+    /// process, which report to the run's supervision).
+    pub(crate) async fn failed(&self) -> DemoError {
+        match self {
+            DemoDispatch::Amqp {
+                participants: Some(participants),
+                ..
+            } => participants.failed().await.into(),
+            _ => std::future::pending().await,
         }
     }
 
@@ -231,8 +208,10 @@ impl DemoDispatch {
                 participants,
             } => {
                 dispatch.stop().await;
-                if let Some(participants) = participants {
-                    participants.stop().await;
+                if let Some(participants) = participants
+                    && let Err(error) = participants.stop().await
+                {
+                    tracing::warn!(%error, "the demo's participants did not stop cleanly");
                 }
             }
         }
@@ -262,7 +241,8 @@ impl Dispatch for DemoDispatch {
 pub struct ServeConfig {
     /// The step roles to serve (`payment`, `inventory`, `email`).
     pub roles: Vec<ConsumerType>,
-    /// Also run an orchestrator that resumes unfinished checkout sagas.
+    /// Also run an orchestrator for checkout sagas: it takes start messages on
+    /// `<prefix>.checkout.start` and resumes unfinished sagas.
     pub orchestrator: bool,
     /// The broker and queue settings.
     pub amqp: AmqpConfig,
@@ -276,11 +256,17 @@ pub struct ServeConfig {
     pub resume_interval: Duration,
     /// Commands claimed per batch (1: one at a time). Raise the prefetch with it.
     pub batch: usize,
+    /// The inbox's TTL, the broker's retention it is checked against, and the months
+    /// the pruner creates ahead.
+    pub inbox: InboxConfig,
+    /// Time between the pruner's passes (the first runs at start; one instance at a
+    /// time does the work).
+    pub prune_interval: Duration,
 }
 
 /// Serves `config.roles` (and an orchestrator, if asked) on the database at `url` until
-/// `shutdown` resolves; then stops consuming, lets in-flight messages finish, and
-/// returns.
+/// `shutdown` resolves: the participants with the outbox relay and the elected pruner.
+/// Then it stops consuming, lets in-flight messages finish, and returns.
 pub async fn serve(
     url: &str,
     config: ServeConfig,
@@ -299,10 +285,11 @@ pub async fn serve(
         ));
     }
     config.amqp.validate()?;
-    // One connection per step worker, a few for setup, and the orchestrator's drivers.
+    // One connection per step worker, the relay's and the pruner's, a few for setup,
+    // and the orchestrator's drivers.
     let orchestrator_connections = if config.orchestrator { 16 } else { 0 };
     let connections = u32::try_from(
-        config.workers.saturating_mul(config.roles.len()) + 2 + orchestrator_connections,
+        config.workers.saturating_mul(config.roles.len()) + 4 + orchestrator_connections,
     )
     .unwrap_or(32)
     .min(64);
@@ -326,6 +313,22 @@ pub async fn serve(
     }
 }
 
+/// Why `serve` stops.
+enum StopCause {
+    /// The shutdown signal.
+    Asked,
+    /// A part of the participants died.
+    Participants(sagabox::ParticipantError),
+    /// The orchestrator ended by itself (an actor of it died, or the broker failed).
+    Orchestrator(Result<(), sagabox::amqp::OrchestrateError>),
+}
+
+/// A future that resolves once `stop` says so.
+async fn stopped(mut stop: tokio::sync::watch::Receiver<bool>) {
+    // An error means the sender is gone, which is a stop too.
+    let _ = stop.wait_for(|stop| *stop).await;
+}
+
 async fn serve_on<S>(
     store: S,
     database: &str,
@@ -333,62 +336,53 @@ async fn serve_on<S>(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), DemoError>
 where
-    S: InboxStore + sagabox::saga::SagaStore,
-    Checkout: StepHandler<<S as InboxStore>::Db>,
+    S: InboxStore + SagaStore + sagabox::amqp::OutboxSource + Clone,
+    sagabox::amqp::Relay<S>: ractor::Actor<
+            Msg = sagabox::amqp::RelayMessage,
+            Arguments = sagabox::amqp::RelayArguments<S>,
+        >,
+    CheckoutStep: StepHandler<<S as InboxStore>::Db>,
 {
-    use sagabox::inbox::{InboxConfig, InboxError};
-    use sagabox::orchestrator::{
-        DriveStats, Orchestrator, OrchestratorArguments, OrchestratorMessage,
-    };
-
-    let definition = Arc::new(SagaDefinition::from_toml_str(crate::CHECKOUT_TOML)?);
-    let guard = InboxGuard::new(store.clone(), InboxConfig::default()).map_err(InboxError::from)?;
+    let definition = SagaDefinition::from_toml_str(crate::CHECKOUT_TOML)?;
+    // The participant prepares the inbox; with no step to host, it is prepared here.
+    let guard =
+        InboxGuard::new(store.clone(), config.inbox.clone()).map_err(sagabox::InboxError::from)?;
     guard.migrate().await?;
-    let handler = Checkout::new(config.fail_rate, config.seed);
-    // Every actor of the process is linked to one supervisor: if one dies, `serve`
-    // ends with its cause rather than go on half-working.
-    let supervision = Supervision::start()
-        .await
-        .map_err(|e| DemoError::Actor(e.to_string()))?;
-    let pool_config = StepPoolConfig {
-        workers: config.workers.max(1),
-    };
-    let participants = Participants::start(
-        &guard,
-        &definition,
-        &config.roles,
-        &handler,
-        &pool_config,
-        &config.amqp,
-        config.batch,
-        &supervision,
-    )
-    .await?;
-    let orchestrator = if config.orchestrator {
-        let dispatch = AmqpDispatch::connect(
-            config.amqp.clone(),
-            guard.clone(),
-            ConsumerType::new(ORCHESTRATOR).map_err(|e| DemoError::Config(e.to_string()))?,
-        )
-        .await?;
-        let dispatch = Arc::new(dispatch);
-        let (actor, handle) = supervision
-            .spawn(
-                "orchestrator",
-                Orchestrator::new(),
-                OrchestratorArguments {
-                    definition: Arc::clone(&definition),
-                    store: store.clone(),
-                    dispatch: Arc::clone(&dispatch),
-                    stats: Arc::new(DriveStats::default()),
-                },
-            )
-            .await
-            .map_err(|e| DemoError::Actor(e.to_string()))?;
-        Some((actor, handle, dispatch))
-    } else {
+    let participants = if config.roles.is_empty() {
         None
+    } else {
+        let participant = participant(
+            store.clone(),
+            config.amqp.clone(),
+            &definition,
+            &config.roles,
+            config.fail_rate,
+            config.seed,
+            config.batch,
+        )?
+        .workers(config.workers.max(1))
+        .inbox(config.inbox.clone())
+        .skip_migrations()
+        .relay(RelayConfig::default())
+        .pruner(PrunerSettings {
+            interval: config.prune_interval,
+        });
+        Some(participant.start().await?)
     };
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let orchestrating = async {
+        if !config.orchestrator {
+            return std::future::pending().await;
+        }
+        let orchestrate_config = OrchestrateConfig {
+            definitions: vec![definition.clone()],
+            amqp: config.amqp.clone(),
+            resume_interval: config.resume_interval,
+        };
+        orchestrate(store.clone(), orchestrate_config, stopped(stop_rx)).await
+    };
+    tokio::pin!(orchestrating);
+
     // The lifecycle lines have a target of their own, which the default log filter lets
     // through: an operator sees that the process is up, and on what, without RUST_LOG.
     let queues: Vec<String> = config
@@ -406,46 +400,62 @@ where
         workers = config.workers,
         prefetch = config.amqp.prefetch,
         batch = config.batch,
+        ttl_days = config.inbox.ttl.as_secs() / 86_400,
         "serving"
     );
-    let resume = async {
-        let Some((actor, _, _)) = &orchestrator else {
-            return std::future::pending::<()>().await;
-        };
-        loop {
-            match ractor::call!(actor, OrchestratorMessage::ResumeAll) {
-                Ok(Ok(started)) if started > 0 => tracing::debug!(started, "resumed sagas"),
-                Ok(Ok(_)) => {}
-                Ok(Err(error)) => tracing::warn!(%error, "resuming sagas failed"),
-                Err(error) => tracing::warn!(%error, "the orchestrator did not answer"),
-            }
-            tokio::time::sleep(config.resume_interval).await;
+    let participants_failed = async {
+        match &participants {
+            Some(participants) => participants.failed().await,
+            None => std::future::pending().await,
         }
     };
-    let died = tokio::select! {
-        _ = shutdown => None,
-        _ = resume => None,
-        died = supervision.died() => Some(died),
+    let stop_cause = tokio::select! {
+        () = shutdown => StopCause::Asked,
+        failed = participants_failed => StopCause::Participants(failed),
+        ended = &mut orchestrating => StopCause::Orchestrator(ended),
     };
     tracing::info!(
         target: SERVE_TARGET,
         "stopping: finishing the messages in flight"
     );
-    if let Some((actor, handle, dispatch)) = orchestrator {
-        actor.stop(None);
-        let _ = handle.await;
-        dispatch.stop().await;
+    let _ = stop.send(true);
+    let (orchestrated, failure) = match stop_cause {
+        StopCause::Asked => (
+            if config.orchestrator {
+                orchestrating.await
+            } else {
+                Ok(())
+            },
+            None,
+        ),
+        StopCause::Participants(failed) => (
+            if config.orchestrator {
+                orchestrating.await
+            } else {
+                Ok(())
+            },
+            Some(DemoError::from(failed)),
+        ),
+        StopCause::Orchestrator(Ok(())) => (
+            Ok(()),
+            Some(DemoError::Actor("the orchestrator stopped unasked".into())),
+        ),
+        StopCause::Orchestrator(Err(error)) => (Ok(()), Some(DemoError::from(error))),
+    };
+    let served = match participants {
+        Some(participants) => participants.stop().await.map(|_| ()),
+        None => Ok(()),
+    };
+    // The first failure is the cause; what failed while stopping comes after it.
+    let outcome = match failure {
+        Some(failure) => Err(failure),
+        None => orchestrated
+            .map_err(DemoError::from)
+            .and(served.map_err(DemoError::from)),
+    };
+    match &outcome {
+        Ok(()) => tracing::info!(target: SERVE_TARGET, %database, "stopped"),
+        Err(error) => tracing::error!(target: SERVE_TARGET, %database, %error, "stopped"),
     }
-    participants.stop().await;
-    supervision.stop().await;
-    match died {
-        Some(died) => {
-            tracing::error!(target: SERVE_TARGET, %database, %died, "stopped");
-            Err(died.into())
-        }
-        None => {
-            tracing::info!(target: SERVE_TARGET, %database, "stopped");
-            Ok(())
-        }
-    }
+    outcome
 }

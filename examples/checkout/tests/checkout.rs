@@ -39,7 +39,7 @@ mod late_charge {
     use sagabox::saga::{SagaDefinition, SagaInstance, SagaStore};
     use sagabox::step::{StepError, StepHandler, StepPool, StepPoolConfig};
     use sagabox::{Envelope, InboxConfig, InboxGuard};
-    use sagabox_checkout::{Checkout, POSTGRES_TABLES};
+    use sagabox_checkout::{CheckoutStep, POSTGRES_TABLES};
     use serde_json::{Value, json};
 
     use super::*;
@@ -63,7 +63,7 @@ timeout = "5s"
 
     /// The charge stays open for a while after writing.
     #[derive(Debug)]
-    struct SlowCharge(Checkout);
+    struct SlowCharge(CheckoutStep);
 
     impl StepHandler<sqlx::Postgres> for SlowCharge {
         async fn handle(
@@ -90,7 +90,7 @@ timeout = "5s"
         let mut dispatch = InProcess::new();
         for step in definition.steps() {
             let guard = InboxGuard::new(fx.store(4).await, InboxConfig::default()).unwrap();
-            let handler = SlowCharge(Checkout::new(0.0, 1));
+            let handler = SlowCharge(CheckoutStep::of(step.consumer_type().as_str()).unwrap());
             let pool = StepPool::spawn(
                 guard,
                 step.consumer_type().clone(),

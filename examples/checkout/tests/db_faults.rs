@@ -32,7 +32,7 @@ use sagabox::{
     ConsumerType, Envelope, GuardError, InboxConfig, InboxError, InboxGuard, MessageId, Outcome,
     PostgresStore,
 };
-use sagabox_checkout::{Checkout, POSTGRES_TABLES};
+use sagabox_checkout::{CheckoutStep, POSTGRES_TABLES};
 use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
@@ -361,7 +361,7 @@ max_backoff = "500ms"
         let pool = StepPool::spawn(
             guard,
             step.consumer_type().clone(),
-            Checkout::new(0.0, 1),
+            CheckoutStep::of(step.consumer_type().as_str()).unwrap(),
             StepPoolConfig { workers: 4 },
         )
         .await
@@ -574,8 +574,8 @@ async fn an_exhausted_pool_is_a_clear_retryable_timeout_not_a_hang() {
 
     let step = StepPool::spawn(
         guard,
-        consumer,
-        Checkout::new(0.0, 1),
+        consumer.clone(),
+        CheckoutStep::of(consumer.as_str()).unwrap(),
         StepPoolConfig::default(),
     )
     .await

@@ -1,0 +1,219 @@
+//! How the demo runs ([`DemoConfig`], [`DemoTransport`]) and why it could not
+//! ([`DemoError`]).
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sagabox::clock::ScaledClock;
+use sagabox::inbox::InboxError;
+use sagabox::orchestrator::DriveError;
+use sagabox::saga::DefinitionError;
+use sagabox::supervisor::ActorDied;
+
+/// How the demo runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DemoConfig {
+    /// Orders to place. With `resume`, the run being resumed keeps its own number: the
+    /// orders it had not placed yet are placed then. Defaults to 1,000.
+    pub orders: usize,
+    /// Sagas in flight at once. Defaults to 32.
+    pub concurrency: usize,
+    /// Share of step commands delivered twice, concurrently. Defaults to 0.
+    pub duplicate_rate: f64,
+    /// Share of replies dropped after the step committed. Defaults to 0.
+    pub lost_reply_rate: f64,
+    /// Share of handler runs that fail after writing, before commit. Defaults to 0.
+    pub fail_rate: f64,
+    /// Share of orders whose card is declined. Defaults to 0.
+    pub decline_rate: f64,
+    /// Seed of every random choice. Defaults to 1.
+    pub seed: u64,
+    /// Defeat the inbox, every delivery under a new message id (the control
+    /// experiment). Defaults to `false`.
+    pub no_inbox: bool,
+    /// Resume an interrupted run: finish every unfinished saga, then place the orders
+    /// that run had not placed yet. Defaults to `false`.
+    pub resume: bool,
+    /// Show a progress bar on stderr. Defaults to `false`.
+    pub progress: bool,
+    /// Send commands and replies through RabbitMQ instead of in process. Defaults to
+    /// `None` (in process).
+    pub transport: Option<DemoTransport>,
+    /// How many times faster than real time the run's clock goes (a soak test mode: 43,200
+    /// makes a month pass in a minute, so the pruner creates and drops inbox partitions
+    /// while orders flow). Defaults to 1. Use a scratch database: a month dropped under
+    /// the fast clock stays pruned for later runs.
+    pub clock_speed: f64,
+    /// Where the run's clock starts. Defaults to `None`: now.
+    pub clock_start: Option<DateTime<Utc>>,
+}
+
+/// The demo over RabbitMQ.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DemoTransport {
+    /// `amqp://user:password@host:port/vhost`.
+    pub url: String,
+    /// Queue names are `<prefix>.<consumer_type>`. Defaults to `sagabox`.
+    pub queue_prefix: String,
+    /// The participants run in other processes (`sagabox serve`); this one only places
+    /// orders and orchestrates.
+    pub external_participants: bool,
+}
+
+impl DemoTransport {
+    /// RabbitMQ at `url`, participants in this process, the default queue prefix.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            queue_prefix: "sagabox".to_owned(),
+            external_participants: false,
+        }
+    }
+
+    pub(crate) fn amqp(&self) -> sagabox::amqp::AmqpConfig {
+        sagabox::amqp::AmqpConfig::new(self.url.clone())
+            .with_queue_prefix(self.queue_prefix.clone())
+    }
+}
+
+impl Default for DemoConfig {
+    fn default() -> Self {
+        Self {
+            orders: 1000,
+            concurrency: 32,
+            duplicate_rate: 0.0,
+            lost_reply_rate: 0.0,
+            fail_rate: 0.0,
+            decline_rate: 0.0,
+            seed: 1,
+            no_inbox: false,
+            resume: false,
+            progress: false,
+            transport: None,
+            clock_speed: 1.0,
+            clock_start: None,
+        }
+    }
+}
+
+/// Why the demo could not run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DemoError {
+    /// A setting out of range.
+    #[error("invalid demo setting: {0}")]
+    Config(String),
+    /// The saga definition did not load.
+    #[error(transparent)]
+    Definition(#[from] DefinitionError),
+    /// The inbox refused or failed.
+    #[error(transparent)]
+    Inbox(#[from] InboxError),
+    /// The database could not be opened or reached (boxed: it is the largest variant).
+    #[error(transparent)]
+    Connect(Box<sagabox::database::ConnectError>),
+    /// The database failed.
+    #[error("database error: {}", sagabox::database::describe(.0))]
+    Database(#[from] sqlx::Error),
+    /// `resume` was asked on a database with no demo run on record.
+    #[error(
+        "nothing to resume in {database}: no demo run is on record there; run `sagabox demo` \
+         without --resume to start one"
+    )]
+    NothingToResume {
+        /// The database, password redacted.
+        database: String,
+    },
+    /// An actor did not start or answer.
+    #[error("actor failure: {0}")]
+    Actor(String),
+    /// An actor of the run died: the run stopped rather than wait on it.
+    #[error(transparent)]
+    ActorDied(#[from] ActorDied),
+    /// A saga's driver crashed.
+    #[error(transparent)]
+    Drive(#[from] DriveError),
+    /// RabbitMQ failed.
+    #[error(transparent)]
+    Broker(#[from] sagabox::amqp::AmqpError),
+    /// The participants did not start, or a part of them died.
+    #[error(transparent)]
+    Participant(#[from] sagabox::ParticipantError),
+    /// The orchestrator service did not start, or it ended.
+    #[error(transparent)]
+    Orchestrate(#[from] sagabox::amqp::OrchestrateError),
+}
+
+impl From<sagabox::database::ConnectError> for DemoError {
+    fn from(error: sagabox::database::ConnectError) -> Self {
+        DemoError::Connect(Box::new(error))
+    }
+}
+
+impl DemoConfig {
+    /// Checks every setting.
+    pub fn validate(&self) -> Result<(), DemoError> {
+        for (name, rate) in [
+            ("--duplicate-rate", self.duplicate_rate),
+            ("--lost-reply-rate", self.lost_reply_rate),
+            ("--fail-rate", self.fail_rate),
+            ("--decline-rate", self.decline_rate),
+        ] {
+            if !(0.0..=1.0).contains(&rate) {
+                return Err(DemoError::Config(format!(
+                    "{name} must be within 0..=1, got {rate}"
+                )));
+            }
+        }
+        if self.fail_rate >= 1.0 {
+            return Err(DemoError::Config(
+                "--fail-rate 1 would fail every attempt forever: use less than 1".into(),
+            ));
+        }
+        if self.lost_reply_rate >= 1.0 {
+            return Err(DemoError::Config(
+                "--lost-reply-rate 1 would lose every reply forever: use less than 1".into(),
+            ));
+        }
+        if self.concurrency == 0 {
+            return Err(DemoError::Config("--concurrency must be at least 1".into()));
+        }
+        self.clock()?;
+        if self.clock_speed != 1.0 {
+            // The fast clock restarts from the real time in every process.
+            if self.resume {
+                return Err(DemoError::Config(
+                    "--clock-speed cannot be combined with --resume: the resumed run's clock \
+                     would start behind the times its messages were filed at"
+                        .into(),
+                ));
+            }
+            if self
+                .transport
+                .as_ref()
+                .is_some_and(|t| t.external_participants)
+            {
+                return Err(DemoError::Config(
+                    "--clock-speed cannot be combined with --external-participants: the \
+                     participants' processes would not share the fast clock"
+                        .into(),
+                ));
+            }
+        }
+        if let Some(transport) = &self.transport {
+            transport.amqp().validate()?;
+        }
+        Ok(())
+    }
+
+    /// The run's clock.
+    pub(crate) fn clock(&self) -> Result<ScaledClock, DemoError> {
+        ScaledClock::new(self.clock_start.unwrap_or_else(Utc::now), self.clock_speed)
+            .map_err(|error| DemoError::Config(format!("--clock-speed: {error}")))
+    }
+
+    /// Time between the pruner's passes: an hour of the run's clock, at least 250 ms.
+    pub(crate) fn prune_interval(&self) -> Duration {
+        Duration::from_secs_f64((3600.0 / self.clock_speed).max(0.25))
+    }
+}
