@@ -3,7 +3,9 @@
 //! runtime), over a real RabbitMQ and a
 //! real PostgreSQL: a start message delivered twice makes one saga and both deliveries
 //! are answered with its id; a trip without a car is compensated, the hotel cancelled
-//! before the flight. Every check reads the participants' tables and `saga_instances`.
+//! before the flight. And `sagabox serve --role all` runs checkout sagas from start
+//! messages the same way. Every check reads the participants' tables and
+//! `saga_instances`.
 
 #![allow(clippy::unwrap_used)]
 
@@ -215,4 +217,133 @@ async fn orchestrate_drives_trips_whose_participants_run_elsewhere_and_a_repeate
     let report = participants.stop().await.unwrap();
     assert!(format!("{report:?}").contains("flight"), "{report:?}");
     drop(requests);
+}
+
+/// `sagabox serve --role all` is a whole checkout service in one process: the three
+/// participants on the runtime and an orchestrator that starts sagas from start messages.
+/// Each start sent twice makes one saga. The paid order is charged, taken from stock and
+/// confirmed once; the declined one is never charged; the one larger than the stock is
+/// charged, then refunded once (the payment's compensation), nothing taken from stock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn serve_all_runs_checkout_sagas_from_start_messages_once_each() {
+    let fx = common::Pg::new().await;
+    let rabbit =
+        common::rabbit::Rabbit::new(&["payment", "inventory", "email", "checkout.start"]).await;
+    let serve = std::process::Command::new(common::sagabox_bin())
+        .args([
+            "serve",
+            "--role",
+            "all",
+            "--transport",
+            &rabbit.config.url,
+            "--database-url",
+            &fx.url,
+            "--queue-prefix",
+            &rabbit.config.queue_prefix,
+        ])
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut children = common::children::Children::new(vec![serve]);
+    let starts = start_queue(&rabbit.config, "checkout").unwrap();
+    let deadline = Instant::now() + BOUND;
+    while rabbit.consumers(&starts).await == 0
+        || rabbit.consumers(&rabbit.queue("email")).await == 0
+    {
+        assert!(
+            matches!(children[0].try_wait(), Ok(None)),
+            "serve exited before consuming"
+        );
+        assert!(Instant::now() < deadline, "serve never consumed {starts}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // serve created the tables before it consumed.
+    fx.exec("INSERT INTO inventory (sku, initial, on_hand) VALUES ('sku-apple', 10, 10)")
+        .await;
+    for (order, quantity, decline) in [
+        ("o-paid", 3, false),
+        ("o-declined", 3, true),
+        ("o-large", 50, false),
+    ] {
+        let start = sagabox::Envelope::new(
+            MessageId::new_v7(),
+            "checkout",
+            serde_json::json!({"order_id": order, "sku": "sku-apple", "quantity": quantity,
+                               "amount_cents": 1250, "decline": decline}),
+        )
+        .unwrap();
+        let (body, properties) = codec::encode(&start);
+        for _ in 0..2 {
+            rabbit.publish_raw(&starts, &body, properties.clone()).await;
+        }
+    }
+    let deadline = Instant::now() + BOUND;
+    loop {
+        let finished = fx
+            .scalar(
+                "SELECT COUNT(*) FROM saga_instances WHERE status IN ('completed', 'compensated')",
+            )
+            .await;
+        if finished == 3 {
+            break;
+        }
+        assert!(
+            matches!(children[0].try_wait(), Ok(None)),
+            "serve exited while driving"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "{finished} of 3 checkouts finished"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for (sql, expected) in [
+        ("SELECT COUNT(*) FROM saga_instances", 3),
+        (
+            "SELECT COUNT(*) FROM saga_instances WHERE status = 'completed'",
+            1,
+        ),
+        (
+            "SELECT COUNT(*) FROM payment_charges WHERE kind = 'charge'",
+            2,
+        ),
+        (
+            "SELECT COUNT(*) FROM payment_charges WHERE order_id = 'o-declined'",
+            0,
+        ),
+        (
+            "SELECT COUNT(*) FROM payment_charges WHERE order_id = 'o-large' AND kind = 'refund' AND amount_cents = 1250",
+            1,
+        ),
+        (
+            "SELECT COUNT(*) FROM payment_charges WHERE kind = 'refund'",
+            1,
+        ),
+        ("SELECT COUNT(*) FROM inventory_moves", 1),
+        (
+            "SELECT COUNT(*) FROM emails_sent WHERE order_id = 'o-paid'",
+            1,
+        ),
+        ("SELECT COUNT(*) FROM emails_sent", 1),
+        ("SELECT on_hand FROM inventory WHERE sku = 'sku-apple'", 7),
+    ] {
+        assert_eq!(fx.scalar(sql).await, expected, "{sql}");
+    }
+
+    let pid = children[0].id().to_string();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    let deadline = Instant::now() + BOUND;
+    let status = loop {
+        if let Some(status) = children[0].try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "serve did not stop on SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "serve ended with {status}");
 }
