@@ -108,7 +108,7 @@ pub struct StepOptions {
     pub timeout: Option<Duration>,
     /// Claims the deliveries the consumer holds at once in batches of up to this many,
     /// one transaction and one commit per batch
-    /// ([`serve_step_batched`](crate::amqp::serve_step_batched), a batch closed after
+    /// ([`serve_step_batched`], a batch closed after
     /// [`BATCH_LINGER`]); each command still gets its own reply and ack. At most the
     /// prefetch. Defaults to `None`: one at a time.
     pub batch: Option<usize>,

@@ -124,6 +124,11 @@ impl Pg {
         self.scalar("SELECT COUNT(*) FROM sagabox_inbox").await
     }
 
+    /// A `FROM` item with every inbox row (`consumer_type`, `duplicates`), all months.
+    pub async fn inbox_from(&self) -> String {
+        "sagabox_inbox".to_owned()
+    }
+
     /// Waits until a session is blocked on an advisory lock (a claim waiting for the
     /// holder of its key), polling `pg_locks`; panics after 10 s.
     pub async fn wait_for_blocked_claim(&self) {
@@ -219,14 +224,34 @@ impl Lite {
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
 
-    /// Rows in the inbox, all monthly tables.
-    pub async fn inbox_rows(&self) -> i64 {
-        let tables: Vec<String> = sqlx::query_scalar(
+    /// A `FROM` item with every inbox row (`consumer_type`, `duplicates`), all monthly
+    /// tables.
+    pub async fn inbox_from(&self) -> String {
+        let union: Vec<String> = self
+            .inbox_tables()
+            .await
+            .iter()
+            .map(|table| format!("SELECT consumer_type, duplicates FROM {table}"))
+            .collect();
+        if union.is_empty() {
+            "(SELECT '' AS consumer_type, 0 AS duplicates WHERE 0)".to_owned()
+        } else {
+            format!("({})", union.join(" UNION ALL "))
+        }
+    }
+
+    async fn inbox_tables(&self) -> Vec<String> {
+        sqlx::query_scalar(
             "SELECT name FROM sqlite_master WHERE type = 'table' AND name GLOB 'sagabox_inbox_[0-9][0-9][0-9][0-9]_[0-9][0-9]'",
         )
         .fetch_all(&self.pool)
         .await
-        .expect("list tables");
+        .expect("list tables")
+    }
+
+    /// Rows in the inbox, all monthly tables.
+    pub async fn inbox_rows(&self) -> i64 {
+        let tables = self.inbox_tables().await;
         let mut rows = 0;
         for table in tables {
             let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!("SELECT COUNT(*) FROM {table}")))

@@ -5,12 +5,14 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
+mod support;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use common::{Backend, Lite, Pg};
+use common::{Lite, Pg};
 use ractor::{Actor, ActorRef};
 use sagabox::orchestrator::{
     DriveStats, InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage,
@@ -18,6 +20,7 @@ use sagabox::orchestrator::{
 use sagabox::saga::{SagaStatus, SagaStore};
 use sagabox::{InboxConfig, InboxGuard, MessageId};
 use sagabox_trip::{Faults, Trip};
+use support::Backend;
 
 /// Trips in the run with faults; every fourth has no car.
 const TRIPS: usize = 120;
