@@ -267,6 +267,38 @@ fn parse_rate(text: &str) -> Result<f64, ArgError> {
     Ok(value)
 }
 
+/// The inbox's retention flags of the commands that run the pruner (`serve`, `prune`).
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+pub struct RetentionArgs {
+    /// Days a message stays deduplicated; at least the broker's redelivery window. The
+    /// pruner drops the months older than this.
+    #[arg(long, default_value_t = 30)]
+    pub ttl_days: u64,
+    /// The broker's maximum redelivery window, in days (SQS: 14).
+    #[arg(long, default_value_t = 14)]
+    pub broker_retention_days: u64,
+    /// Months ahead of the current one to create partitions for.
+    #[arg(long, default_value_t = 2)]
+    pub partitions_ahead: u32,
+    /// Run with a TTL shorter than the broker retention anyway (logged as a
+    /// warning): a redelivery later than the TTL is then refused, or applied twice if
+    /// it carries no time.
+    #[arg(long)]
+    pub force_short_ttl: bool,
+}
+
+impl RetentionArgs {
+    /// The inbox configuration the flags describe ([`retention_config`]).
+    pub fn config(&self) -> Result<InboxConfig, ArgError> {
+        retention_config(
+            self.ttl_days,
+            self.broker_retention_days,
+            self.partitions_ahead,
+            self.force_short_ttl,
+        )
+    }
+}
+
 /// The inbox configuration of a pruner run from the command line: `ttl_days`,
 /// `broker_retention_days`, `partitions_ahead`.
 ///
@@ -290,7 +322,7 @@ pub fn retention_config(
     config.validate().map_err(|reason| {
         let hint = match reason {
             ConfigError::TtlShorterThanRetention { .. } => {
-                " (to prune anyway, knowing a late redelivery may be applied twice, pass --force-short-ttl)"
+                " (to run anyway, knowing a late redelivery may be applied twice, pass --force-short-ttl)"
             }
             _ => "",
         };

@@ -37,7 +37,7 @@ const EXIT_STATUS: &str = "Exit status: 0 done; 1 the run failed (with --json al
 
 /// Saga participants that process every message effectively exactly once.
 #[derive(Debug, Parser)]
-#[command(version, about, after_help = EXIT_STATUS)]
+#[command(name = "sagabox", version, about, after_help = EXIT_STATUS)]
 struct Cli {
     /// Log lines on stderr: human or json (one object per line). RUST_LOG filters them
     /// (default: warnings, and serve's up and stop lines; RUST_LOG=sagabox=debug shows a
@@ -163,22 +163,9 @@ enum Command {
         /// Serve Prometheus metrics at HOST:PORT while serving (e.g. 127.0.0.1:9464).
         #[arg(long, value_name = "HOST:PORT")]
         metrics_addr: Option<String>,
-        /// Days a message stays deduplicated; at least the broker's redelivery window.
-        /// The pruner (a pass at start, then hourly; one instance at a time) drops the
-        /// months older than this.
-        #[arg(long, default_value_t = 30)]
-        ttl_days: u64,
-        /// The broker's maximum redelivery window, in days (SQS: 14).
-        #[arg(long, default_value_t = 14)]
-        broker_retention_days: u64,
-        /// Months ahead of the current one to keep partitions for.
-        #[arg(long, default_value_t = 2)]
-        partitions_ahead: u32,
-        /// Serve with a TTL shorter than the broker retention anyway (logged as a
-        /// warning): a redelivery later than the TTL is then refused, or applied twice if
-        /// it carries no time.
-        #[arg(long)]
-        force_short_ttl: bool,
+        // The pruner runs a pass at start, then hourly (one instance at a time).
+        #[command(flatten)]
+        retention: args::RetentionArgs,
     },
     /// Drive the sagas defined in TOML files, over RabbitMQ, with their steps served by
     /// other processes. A saga starts from a start message on <prefix>.<saga>.start: an
@@ -244,20 +231,8 @@ enum Command {
         /// Only report what the pass would do.
         #[arg(long)]
         dry_run: bool,
-        /// Days a message stays deduplicated; at least the broker's redelivery window.
-        #[arg(long, default_value_t = 30)]
-        ttl_days: u64,
-        /// The broker's maximum redelivery window, in days (SQS: 14).
-        #[arg(long, default_value_t = 14)]
-        broker_retention_days: u64,
-        /// Months ahead of the current one to create partitions for.
-        #[arg(long, default_value_t = 2)]
-        partitions_ahead: u32,
-        /// Prune with a TTL shorter than the broker retention anyway (logged as a
-        /// warning): a redelivery later than the TTL is then refused, or applied twice if
-        /// it carries no time.
-        #[arg(long)]
-        force_short_ttl: bool,
+        #[command(flatten)]
+        retention: args::RetentionArgs,
     },
     /// Measure the inbox against hand-written SQL doing the same work, in one run.
     #[command(allow_negative_numbers = true, after_help = EXIT_STATUS)]
@@ -541,18 +516,11 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             fail_rate,
             seed,
             metrics_addr,
-            ttl_days,
-            broker_retention_days,
-            partitions_ahead,
-            force_short_ttl,
+            retention,
         } => {
-            let inbox = args::retention_config(
-                ttl_days,
-                broker_retention_days,
-                partitions_ahead,
-                force_short_ttl,
-            )
-            .unwrap_or_else(|error| usage_error("serve", error));
+            let inbox = retention
+                .config()
+                .unwrap_or_else(|error| usage_error("serve", error));
             if batch > prefetch {
                 usage_error(
                     "serve",
@@ -627,18 +595,11 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
         Command::Prune {
             database_url,
             dry_run,
-            ttl_days,
-            broker_retention_days,
-            partitions_ahead,
-            force_short_ttl,
+            retention,
         } => {
-            let config = args::retention_config(
-                ttl_days,
-                broker_retention_days,
-                partitions_ahead,
-                force_short_ttl,
-            )
-            .unwrap_or_else(|error| usage_error("prune", error));
+            let config = retention
+                .config()
+                .unwrap_or_else(|error| usage_error("prune", error));
             let pass = prune(&database_url, config, dry_run)
                 .await
                 .map_err(|error| failed("prune", error, false))?;

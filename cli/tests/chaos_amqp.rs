@@ -186,12 +186,8 @@ async fn a_random_participant_killed_twenty_times_every_invariant_holds() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    for child in participants.iter_mut() {
-        let sent = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(sent.success());
+    for child in participants.iter() {
+        common::children::terminate(child);
     }
     for (role, child) in ROLES.iter().zip(participants.iter_mut()) {
         let status = child.wait().unwrap();

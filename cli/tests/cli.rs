@@ -585,6 +585,11 @@ fn usage_errors_exit_with_status_2() {
         assert_eq!(output.status.code(), Some(2), "{args:?}: {text}");
         assert!(text.contains(expected), "{args:?}: {text}");
         assert!(!text.contains("hunter2"), "{args:?}: {text}");
+        // The usage line names the command a user types, not the package.
+        assert!(
+            !text.contains("Usage:") || text.contains(&format!("Usage: sagabox {}", args[0])),
+            "{args:?}: {text}"
+        );
     }
     assert!(
         dir.is_empty(),
@@ -848,19 +853,7 @@ async fn serve_logs_when_it_is_up_and_when_it_stops() {
         serde_json::json!([format!("{prefix}.email"), format!("{prefix}.payment")]),
         "{up}"
     );
-    let sent = Command::new("kill")
-        .args(["-TERM", &children[0].id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(status) = children[0].try_wait().unwrap() {
-            break status;
-        }
-        assert!(Instant::now() < deadline, "serve did not stop on SIGTERM");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let status = common::children::stop(&mut children[0], "serve", Duration::from_secs(60)).await;
     assert!(status.success(), "{status}");
     let rest: Vec<serde_json::Value> = lines
         .iter()
@@ -935,19 +928,7 @@ async fn serve_prunes_expired_months_and_relays_the_outbox() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let sent = Command::new("kill")
-        .args(["-TERM", &children[0].id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(status) = children[0].try_wait().unwrap() {
-            break status;
-        }
-        assert!(Instant::now() < deadline, "serve did not stop on SIGTERM");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let status = common::children::stop(&mut children[0], "serve", Duration::from_secs(60)).await;
     assert!(status.success(), "{status}");
     let published = rabbit.drain(&rabbit.queue("notices")).await;
     assert_eq!(published.len(), 1, "the outbox row published once");

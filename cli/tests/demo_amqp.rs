@@ -7,7 +7,7 @@
 #[path = "../../tests/common/mod.rs"]
 mod common;
 
-use std::process::{Child, Command};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use sagabox_checkout::{DemoConfig, run};
@@ -41,14 +41,6 @@ fn check_alive(participants: &mut [Child]) {
             panic!("a participant exited ({status}): {stderr}");
         }
     }
-}
-
-fn terminate(child: &mut Child) {
-    let sent = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
 }
 
 /// The checkout demo over RabbitMQ with payment, inventory and email as separate
@@ -175,8 +167,8 @@ async fn participants_in_separate_processes_keep_every_invariant() {
     }
     let summary = demo.await.unwrap().unwrap();
     eprintln!("{summary:?}");
-    for child in participants.iter_mut() {
-        terminate(child);
+    for child in participants.iter() {
+        common::children::terminate(child);
     }
     for child in std::mem::take(&mut participants.0) {
         let output = child.wait_with_output().unwrap();

@@ -25,6 +25,31 @@ use sagabox_trip::Trip;
 
 const BOUND: Duration = Duration::from_secs(60);
 
+/// Waits until `sagas` sagas are completed or compensated, while `driver` (named `what`)
+/// keeps running; panics after [`BOUND`].
+async fn wait_finished(fx: &common::Pg, driver: &mut std::process::Child, what: &str, sagas: i64) {
+    let deadline = Instant::now() + BOUND;
+    loop {
+        let finished = fx
+            .scalar(
+                "SELECT COUNT(*) FROM saga_instances WHERE status IN ('completed', 'compensated')",
+            )
+            .await;
+        if finished == sagas {
+            return;
+        }
+        assert!(
+            matches!(driver.try_wait(), Ok(None)),
+            "{what} exited while driving"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "{finished} of {sagas} sagas finished"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn orchestrate_drives_trips_whose_participants_run_elsewhere_and_a_repeated_start_makes_one_saga()
  {
@@ -105,23 +130,7 @@ async fn orchestrate_drives_trips_whose_participants_run_elsewhere_and_a_repeate
     }
 
     // Both sagas end; one row each.
-    let deadline = Instant::now() + BOUND;
-    loop {
-        let finished = fx
-            .scalar(
-                "SELECT COUNT(*) FROM saga_instances WHERE status IN ('completed', 'compensated')",
-            )
-            .await;
-        if finished == 2 {
-            break;
-        }
-        assert!(
-            matches!(children[0].try_wait(), Ok(None)),
-            "orchestrate exited while driving"
-        );
-        assert!(Instant::now() < deadline, "{finished} of 2 trips finished");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_finished(&fx, &mut children[0], "orchestrate", 2).await;
     assert_eq!(
         fx.scalar("SELECT COUNT(*) FROM saga_instances").await,
         2,
@@ -197,22 +206,7 @@ async fn orchestrate_drives_trips_whose_participants_run_elsewhere_and_a_repeate
     );
 
     // SIGTERM: it stops cleanly.
-    let pid = children[0].id().to_string();
-    std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap();
-    let deadline = Instant::now() + BOUND;
-    let status = loop {
-        if let Some(status) = children[0].try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "orchestrate did not stop on SIGTERM"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let status = common::children::stop(&mut children[0], "orchestrate", BOUND).await;
     assert!(status.success(), "orchestrate ended with {status}");
     let report = participants.stop().await.unwrap();
     assert!(format!("{report:?}").contains("flight"), "{report:?}");
@@ -279,26 +273,7 @@ async fn serve_all_runs_checkout_sagas_from_start_messages_once_each() {
             rabbit.publish_raw(&starts, &body, properties.clone()).await;
         }
     }
-    let deadline = Instant::now() + BOUND;
-    loop {
-        let finished = fx
-            .scalar(
-                "SELECT COUNT(*) FROM saga_instances WHERE status IN ('completed', 'compensated')",
-            )
-            .await;
-        if finished == 3 {
-            break;
-        }
-        assert!(
-            matches!(children[0].try_wait(), Ok(None)),
-            "serve exited while driving"
-        );
-        assert!(
-            Instant::now() < deadline,
-            "{finished} of 3 checkouts finished"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_finished(&fx, &mut children[0], "serve", 3).await;
     for (sql, expected) in [
         ("SELECT COUNT(*) FROM saga_instances", 3),
         (
@@ -332,18 +307,6 @@ async fn serve_all_runs_checkout_sagas_from_start_messages_once_each() {
         assert_eq!(fx.scalar(sql).await, expected, "{sql}");
     }
 
-    let pid = children[0].id().to_string();
-    std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap();
-    let deadline = Instant::now() + BOUND;
-    let status = loop {
-        if let Some(status) = children[0].try_wait().unwrap() {
-            break status;
-        }
-        assert!(Instant::now() < deadline, "serve did not stop on SIGTERM");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let status = common::children::stop(&mut children[0], "serve", BOUND).await;
     assert!(status.success(), "serve ended with {status}");
 }

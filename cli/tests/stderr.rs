@@ -122,18 +122,6 @@ async fn serve_works_and_stops_cleanly_with_an_unwritable_stderr() {
         .expect("the demo ends")
         .unwrap();
     assert_eq!((summary.orders, summary.unfinished), (20, 0), "{summary:?}");
-    let sent = std::process::Command::new("kill")
-        .args(["-TERM", &serve[0].id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    let deadline = Instant::now() + BOUND;
-    let status = loop {
-        if let Some(status) = serve[0].try_wait().unwrap() {
-            break status;
-        }
-        assert!(Instant::now() < deadline, "serve did not stop on SIGTERM");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let status = common::children::stop(&mut serve[0], "serve", BOUND).await;
     assert!(status.success(), "serve stopped with {status}");
 }

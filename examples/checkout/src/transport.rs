@@ -370,9 +370,11 @@ where
         Some(participant.start().await?)
     };
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    // Without an orchestrator role this resolves at the stop, like one that stopped.
     let orchestrating = async {
         if !config.orchestrator {
-            return std::future::pending().await;
+            stopped(stop_rx).await;
+            return Ok(());
         }
         let orchestrate_config = OrchestrateConfig {
             definitions: vec![definition.clone()],
@@ -419,28 +421,14 @@ where
         "stopping: finishing the messages in flight"
     );
     let _ = stop.send(true);
-    let (orchestrated, failure) = match stop_cause {
-        StopCause::Asked => (
-            if config.orchestrator {
-                orchestrating.await
-            } else {
-                Ok(())
-            },
-            None,
-        ),
-        StopCause::Participants(failed) => (
-            if config.orchestrator {
-                orchestrating.await
-            } else {
-                Ok(())
-            },
-            Some(DemoError::from(failed)),
-        ),
+    let (failure, orchestrated) = match stop_cause {
+        StopCause::Asked => (None, orchestrating.await),
+        StopCause::Participants(failed) => (Some(failed.into()), orchestrating.await),
         StopCause::Orchestrator(Ok(())) => (
-            Ok(()),
             Some(DemoError::Actor("the orchestrator stopped unasked".into())),
+            Ok(()),
         ),
-        StopCause::Orchestrator(Err(error)) => (Ok(()), Some(DemoError::from(error))),
+        StopCause::Orchestrator(Err(error)) => (Some(error.into()), Ok(())),
     };
     let served = match participants {
         Some(participants) => participants.stop().await.map(|_| ()),
