@@ -15,7 +15,8 @@
 //! | `sagabox_saga_steps_total` | counter | `saga`, `step`, `direction` = `forward` \| `backward`, `outcome` = `done` \| `refused` \| `failed` | step command attempts and how they ended |
 //! | `sagabox_saga_step_seconds` | histogram | `saga`, `step`, `direction` | one attempt, send to reply (or failure) |
 //! | `sagabox_saga_retries_total` | counter | `saga`, `step`, `direction` | attempts after the first of a command |
-//! | `sagabox_saga_compensations_total` | counter | `saga`, `trigger` = `refused` \| `exhausted` \| `rejected` | sagas that turned to compensating, and why |
+//! | `sagabox_saga_compensations_total` | counter | `saga`, `trigger` = `refused` \| `exhausted` \| `rejected` \| `deadline` | sagas that turned to compensating, and why |
+//! | `sagabox_sagas_parked_total` | counter | `saga` | sagas parked for an operator |
 //! | `sagabox_saga_duration_seconds` | histogram | `saga`, `status` = `completed` \| `compensated` | creation to terminal state |
 //! | `sagabox_outbox_published_total` | counter | `destination` | outbox rows published and confirmed by the broker |
 //! | `sagabox_outbox_pending` | gauge | — | outbox rows not yet published |
@@ -65,6 +66,8 @@ pub const SAGA_STEP_SECONDS: &str = "sagabox_saga_step_seconds";
 pub const SAGA_RETRIES_TOTAL: &str = "sagabox_saga_retries_total";
 /// Sagas that turned to compensating, by trigger.
 pub const SAGA_COMPENSATIONS_TOTAL: &str = "sagabox_saga_compensations_total";
+/// Sagas parked for an operator, by saga.
+pub const SAGAS_PARKED_TOTAL: &str = "sagabox_sagas_parked_total";
 /// Seconds from a saga's creation to its terminal state.
 pub const SAGA_DURATION_SECONDS: &str = "sagabox_saga_duration_seconds";
 /// Outbox rows published and confirmed, by destination.
@@ -192,13 +195,16 @@ pub(crate) enum CompensationTrigger {
     Exhausted,
     /// The inbox refused the command.
     Rejected,
+    /// The saga's deadline passed.
+    Deadline,
 }
 
 impl CompensationTrigger {
-    const ALL: [CompensationTrigger; 3] = [
+    const ALL: [CompensationTrigger; 4] = [
         CompensationTrigger::Refused,
         CompensationTrigger::Exhausted,
         CompensationTrigger::Rejected,
+        CompensationTrigger::Deadline,
     ];
 
     const fn as_str(self) -> &'static str {
@@ -206,6 +212,7 @@ impl CompensationTrigger {
             CompensationTrigger::Refused => "refused",
             CompensationTrigger::Exhausted => "exhausted",
             CompensationTrigger::Rejected => "rejected",
+            CompensationTrigger::Deadline => "deadline",
         }
     }
 }
@@ -386,11 +393,18 @@ pub const CATALOGUE: &[MetricSpec] = &[
         name: SAGA_COMPENSATIONS_TOTAL,
         kind: MetricKind::Counter,
         labels: &["saga", "trigger"],
-        help: "Sagas that turned to compensating, by trigger (refused, exhausted, rejected).",
+        help: "Sagas that turned to compensating, by trigger (refused, exhausted, rejected, deadline).",
         values: &[LabelValues {
             label: "trigger",
             values: &values::TRIGGERS,
         }],
+    },
+    MetricSpec {
+        name: SAGAS_PARKED_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &["saga"],
+        help: "Sagas parked for an operator (a compensation refused or rejected, a deadline past a step without compensation, an unknown definition version).",
+        values: NO_VALUES,
     },
     MetricSpec {
         name: SAGA_DURATION_SECONDS,
@@ -517,6 +531,11 @@ pub(crate) fn saga_step(
 pub(crate) fn saga_compensation(saga: &str, trigger: CompensationTrigger) {
     metrics::counter!(SAGA_COMPENSATIONS_TOTAL, "saga" => saga.to_owned(), "trigger" => trigger.as_str())
         .increment(1);
+}
+
+/// A saga of `saga` was parked for an operator.
+pub(crate) fn saga_parked(saga: &str) {
+    metrics::counter!(SAGAS_PARKED_TOTAL, "saga" => saga.to_owned()).increment(1);
 }
 
 /// A saga reached `status` after `elapsed` since its creation; a status that is not

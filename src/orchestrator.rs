@@ -40,9 +40,14 @@ use rand::rngs::StdRng;
 use serde_json::{Value, json};
 use tracing::Instrument;
 
+use crate::clock::{Clock, SystemClock};
 use crate::envelope::{ConsumerType, Envelope};
 use crate::metrics::{self, CompensationTrigger, StepAttempt};
-use crate::saga::{Direction, SagaDefinition, SagaInstance, SagaStatus, SagaStore, StartError};
+use crate::saga::versions::{Definitions, RegisterError, VersionError};
+use crate::saga::{
+    Direction, EventKind, SagaDefinition, SagaEvent, SagaInstance, SagaStatus, SagaStore,
+    StartError,
+};
 use crate::step::{StepFailure, StepOutcome, StepPool, StepReply};
 use crate::supervisor::panic_message;
 
@@ -168,7 +173,9 @@ pub enum DriveError {
 /// What the orchestrator runs with.
 #[derive(Debug)]
 pub struct OrchestratorArguments<St, D> {
-    /// The saga it drives.
+    /// The saga it drives: new sagas start on this version of it, and it is stored
+    /// ([`SagaStore::register_definition`]) when the orchestrator starts, which refuses
+    /// to start when another definition is stored under its name and version.
     pub definition: Arc<SagaDefinition>,
     /// Where instances are stored.
     pub store: St,
@@ -176,15 +183,44 @@ pub struct OrchestratorArguments<St, D> {
     pub dispatch: Arc<D>,
     /// Shared counters.
     pub stats: Arc<DriveStats>,
+    /// The time of new sagas, of history events, and against which deadlines pass.
+    pub clock: Arc<dyn Clock>,
+}
+
+impl<St, D> OrchestratorArguments<St, D> {
+    /// Drives `definition`'s sagas stored in `store` through `dispatch`, on the system
+    /// clock, with counters of its own.
+    pub fn new(definition: Arc<SagaDefinition>, store: St, dispatch: Arc<D>) -> Self {
+        Self {
+            definition,
+            store,
+            dispatch,
+            stats: Arc::default(),
+            clock: Arc::new(SystemClock),
+        }
+    }
+
+    /// With counters shared with the caller.
+    pub fn with_stats(mut self, stats: Arc<DriveStats>) -> Self {
+        self.stats = stats;
+        self
+    }
+
+    /// With another clock (a fast one, in tests and soak runs).
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
 }
 
 /// The orchestrator's state: configuration plus the instances in flight.
 #[derive(Debug)]
 pub struct OrchestratorState<St, D> {
-    definition: Arc<SagaDefinition>,
+    definitions: Arc<Definitions>,
     store: St,
     dispatch: Arc<D>,
     stats: Arc<DriveStats>,
+    clock: Arc<dyn Clock>,
     /// Instances being driven, with whoever waits for each to finish.
     in_flight: HashMap<String, Vec<RpcReplyPort<Result<(), DriveError>>>>,
     /// The driver tasks, aborted when the actor ends however it ends: dropping the state
@@ -239,10 +275,11 @@ impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
             .in_flight
             .insert(id.clone(), waiter.into_iter().collect());
         let driver = Driver {
-            definition: Arc::clone(&state.definition),
+            definitions: Arc::clone(&state.definitions),
             store: state.store.clone(),
             dispatch: Arc::clone(&state.dispatch),
             stats: Arc::clone(&state.stats),
+            clock: Arc::clone(&state.clock),
         };
         let myself = myself.clone();
         let key = id.clone();
@@ -270,7 +307,8 @@ impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
         state: &mut OrchestratorState<St, D>,
         start: &Envelope,
     ) -> Result<String, StartError> {
-        let instance = SagaInstance::from_start(&state.definition, start, Utc::now())?;
+        let instance =
+            SagaInstance::from_start(state.definitions.current(), start, state.clock.now())?;
         let started = state
             .store
             .create_if_absent(&instance)
@@ -301,11 +339,18 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
         _myself: ActorRef<Self::Msg>,
         args: Self::Arguments,
     ) -> Result<Self::State, ActorProcessingErr> {
+        // Every version an orchestrator runs is stored before any saga starts on it, so
+        // that its sagas can be driven on it after the definition changed.
+        args.store
+            .register_definition(&args.definition)
+            .await
+            .map_err(|error: RegisterError| Box::new(error) as ActorProcessingErr)?;
         Ok(OrchestratorState {
-            definition: args.definition,
+            definitions: Arc::new(Definitions::new(args.definition)),
             store: args.store,
             dispatch: args.dispatch,
             stats: args.stats,
+            clock: args.clock,
             in_flight: HashMap::new(),
             drivers: HashMap::new(),
             crashed: HashSet::new(),
@@ -343,7 +388,8 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
                 let _ = reply.send(started);
             }
             OrchestratorMessage::ResumeAll(reply) => {
-                let answer = match state.store.unfinished(state.definition.name()).await {
+                let name = state.definitions.current().name();
+                let answer = match state.store.unfinished(name).await {
                     Ok(ids) => {
                         let mut count = 0;
                         for id in ids {
@@ -392,14 +438,39 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
 
 /// Drives one instance; everything it needs, cloned out of the actor's state.
 struct Driver<St, D> {
-    definition: Arc<SagaDefinition>,
+    definitions: Arc<Definitions>,
     store: St,
     dispatch: Arc<D>,
     stats: Arc<DriveStats>,
+    clock: Arc<dyn Clock>,
 }
 
 /// How long to wait before trying a failed store operation again.
 const STORE_RETRY: Duration = Duration::from_millis(200);
+
+/// What one attempt of a step's command answered, for the saga's history.
+fn answered(reply: &Result<StepReply, StepFailure>) -> (EventKind, Option<String>) {
+    match reply {
+        Ok(StepReply {
+            outcome: StepOutcome::Done(_),
+            duplicate,
+        }) => (
+            if *duplicate {
+                EventKind::Duplicate
+            } else {
+                EventKind::Applied
+            },
+            None,
+        ),
+        Ok(StepReply {
+            outcome: StepOutcome::Refused(reason),
+            ..
+        }) => (EventKind::Refused, Some(reason.clone())),
+        Err(StepFailure::Rejected(reason)) => (EventKind::Rejected, Some(reason.clone())),
+        Err(failure @ StepFailure::Timeout(_)) => (EventKind::TimedOut, Some(failure.to_string())),
+        Err(failure @ StepFailure::Retryable(_)) => (EventKind::Failed, Some(failure.to_string())),
+    }
+}
 
 impl<St: SagaStore, D: Dispatch> Driver<St, D> {
     async fn drive(&self, id: &str) {
@@ -409,17 +480,32 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
             tracing::warn!(saga_id = id, "no such saga instance; nothing to drive");
             return;
         };
-        if saga.saga_name != self.definition.name() {
+        let name = self.definitions.current().name();
+        if saga.saga_name != name {
             tracing::warn!(
                 saga_id = id,
                 saga = %saga.saga_name,
-                driver = self.definition.name(),
+                driver = name,
                 "saga instance belongs to another definition; not driving it"
             );
             return;
         }
-        let steps = self.definition.steps();
         while !saga.status.is_terminal() {
+            if let Some(reason) = &saga.parked {
+                tracing::info!(saga_id = %saga.id, %reason, "saga is parked; an operator retries or cancels it");
+                return;
+            }
+            let Some(definition) = self.definition_of(&mut saga).await else {
+                return;
+            };
+            let steps = definition.steps();
+            let now = self.clock.now();
+            if saga.status == SagaStatus::Running && saga.deadline_at.is_some_and(|at| at <= now) {
+                if !self.deadline_passed(&mut saga, &definition, now).await {
+                    return;
+                }
+                continue;
+            }
             let index = usize::try_from(saga.current_step).ok();
             let (direction, step) = match (saga.status, index) {
                 (SagaStatus::Running, Some(i)) if i < steps.len() => {
@@ -427,22 +513,32 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                 }
                 (SagaStatus::Running, _) => {
                     saga.status = SagaStatus::Completed;
-                    if !self.save(&mut saga).await {
+                    if !self
+                        .save(&mut saga, vec![SagaEvent::new(EventKind::Completed, now)])
+                        .await
+                    {
                         return;
                     }
-                    self.finished(&saga);
-                    break;
+                    if saga.status.is_terminal() {
+                        self.finished(&saga, name);
+                    }
+                    continue;
                 }
                 (SagaStatus::Compensating, Some(i)) if i < steps.len() => {
                     (Direction::Backward, &steps[i])
                 }
                 _ => {
                     saga.status = SagaStatus::Compensated;
-                    if !self.save(&mut saga).await {
+                    if !self
+                        .save(&mut saga, vec![SagaEvent::new(EventKind::Compensated, now)])
+                        .await
+                    {
                         return;
                     }
-                    self.finished(&saga);
-                    break;
+                    if saga.status.is_terminal() {
+                        self.finished(&saga, name);
+                    }
+                    continue;
                 }
             };
             let Some(i) = index else { break };
@@ -454,7 +550,9 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                         // Nothing to undo for this step.
                         saga.current_step -= 1;
                         saga.attempts = 0;
-                        if !self.save(&mut saga).await {
+                        let skipped = SagaEvent::new(EventKind::Skipped, now)
+                            .step(step.name(), Direction::Backward);
+                        if !self.save(&mut saga, vec![skipped]).await {
                             return;
                         }
                         continue;
@@ -471,25 +569,25 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
             if saga.attempts > 1 {
                 self.stats.retries.fetch_add(1, Relaxed);
             }
-            let direction_label = match direction {
-                Direction::Forward => "forward",
-                Direction::Backward => "backward",
-            };
             let span = tracing::debug_span!(
                 "saga.step",
-                saga = self.definition.name(),
+                saga = name,
                 saga_id = %saga.id,
                 step = step.name(),
-                direction = direction_label,
+                direction = direction.as_str(),
                 attempt = saga.attempts,
                 outcome = tracing::field::Empty,
             );
+            let sent = SagaEvent::new(EventKind::Sent, now)
+                .step(step.name(), direction)
+                .attempt(saga.attempts);
             let attempt_started = Instant::now();
             let reply = self
                 .dispatch
                 .dispatch(step.consumer_type(), envelope, step.timeout())
                 .instrument(span.clone())
                 .await;
+            let waited = attempt_started.elapsed();
             let outcome = match &reply {
                 Ok(StepReply {
                     outcome: StepOutcome::Done(_),
@@ -505,13 +603,23 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
             // Closing the span here prints the attempt as one line, outcome included.
             drop(span);
             metrics::saga_step(
-                self.definition.name(),
+                name,
                 step.name(),
                 direction,
                 outcome,
-                attempt_started.elapsed(),
+                waited,
                 saga.attempts > 1,
             );
+            let (answer, detail) = answered(&reply);
+            let mut answer = SagaEvent::new(answer, self.clock.now())
+                .step(step.name(), direction)
+                .attempt(saga.attempts)
+                .duration(waited);
+            if let Some(detail) = detail {
+                answer = answer.detail(detail);
+            }
+            let at = answer.at;
+            let mut events = vec![sent, answer];
             match (direction, reply) {
                 (_, Ok(reply)) => {
                     if reply.duplicate {
@@ -524,22 +632,18 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                         }
                         (Direction::Forward, StepOutcome::Refused(reason)) => {
                             // Refused for good: nothing applied here; undo the ones before.
-                            metrics::saga_compensation(
-                                self.definition.name(),
-                                CompensationTrigger::Refused,
-                            );
+                            metrics::saga_compensation(name, CompensationTrigger::Refused);
                             saga.status = SagaStatus::Compensating;
                             saga.current_step -= 1;
                             saga.last_error = Some(format!("{} refused: {reason}", step.name()));
+                            events.push(SagaEvent::new(EventKind::Compensating, at));
                         }
                         (Direction::Backward, StepOutcome::Refused(reason)) => {
-                            // Not undone: leave the saga for an operator rather than
-                            // call it compensated.
-                            saga.last_error =
-                                Some(format!("undo {} refused: {reason}", step.name()));
-                            tracing::error!(saga_id = %saga.id, step = step.name(), %reason, "compensation refused; saga left unfinished");
-                            saga.attempts = 0;
-                            self.save(&mut saga).await;
+                            // Not undone: park the saga for an operator rather than call
+                            // it compensated.
+                            let why = format!("undo {} refused: {reason}", step.name());
+                            tracing::error!(saga_id = %saga.id, step = step.name(), %reason, "compensation refused; saga parked");
+                            self.park(&mut saga, events, why, at).await;
                             return;
                         }
                         (Direction::Backward, StepOutcome::Done(_)) => {
@@ -547,7 +651,7 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                         }
                     }
                     saga.attempts = 0;
-                    if !self.save(&mut saga).await {
+                    if !self.save(&mut saga, events).await {
                         return;
                     }
                 }
@@ -563,32 +667,33 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                         } else {
                             CompensationTrigger::Exhausted
                         };
-                        metrics::saga_compensation(self.definition.name(), trigger);
+                        metrics::saga_compensation(name, trigger);
                         saga.status = SagaStatus::Compensating;
                         saga.attempts = 0;
-                        if !self.save(&mut saga).await {
+                        events.push(SagaEvent::new(EventKind::Compensating, at));
+                        if !self.save(&mut saga, events).await {
                             return;
                         }
                     } else {
-                        if !self.save(&mut saga).await {
+                        if !self.save(&mut saga, events).await {
                             return;
                         }
                         tokio::time::sleep(step.retry().delay(attempts, &mut rng)).await;
                     }
                 }
                 (Direction::Backward, Err(StepFailure::Rejected(reason))) => {
-                    // Retrying cannot help (expired, no such step): stop, leave it for an
-                    // operator, visible as unfinished with its error.
-                    saga.last_error = Some(format!("undo {}: {reason}", step.name()));
-                    tracing::error!(saga_id = %saga.id, step = step.name(), %reason, "compensation rejected; saga left unfinished");
-                    self.save(&mut saga).await;
+                    // Retrying cannot help (expired, no such step): park it for an
+                    // operator, with its reason.
+                    let why = format!("undo {}: {reason}", step.name());
+                    tracing::error!(saga_id = %saga.id, step = step.name(), %reason, "compensation rejected; saga parked");
+                    self.park(&mut saga, events, why, at).await;
                     return;
                 }
                 (Direction::Backward, Err(failure)) => {
                     // Compensations run until they succeed.
                     let attempts = u32::try_from(saga.attempts).unwrap_or(u32::MAX);
                     saga.last_error = Some(format!("undo {}: {failure}", step.name()));
-                    if !self.save(&mut saga).await {
+                    if !self.save(&mut saga, events).await {
                         return;
                     }
                     tokio::time::sleep(step.retry().delay(attempts, &mut rng)).await;
@@ -597,10 +702,88 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
         }
     }
 
+    /// The definition version `saga` runs on. A version no orchestrator stored (or one
+    /// stored unreadable) parks the saga: `None`, and the driver stops.
+    async fn definition_of(&self, saga: &mut SagaInstance) -> Option<Arc<SagaDefinition>> {
+        loop {
+            match self
+                .definitions
+                .version(&self.store, saga.definition_version)
+                .await
+            {
+                Ok(definition) => return Some(definition),
+                Err(VersionError::Store(error)) => {
+                    tracing::warn!(saga_id = %saga.id, %error, "cannot read the saga's definition version; retrying");
+                    tokio::time::sleep(STORE_RETRY).await;
+                }
+                Err(error) => {
+                    tracing::error!(saga_id = %saga.id, %error, "saga parked");
+                    let now = self.clock.now();
+                    self.park(saga, Vec::new(), error.to_string(), now).await;
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// The deadline of running `saga` passed: compensate it from the step it is at (whose
+    /// command may have gone out), or park it when that step has no compensation.
+    /// Returns `false` when the driver must stop.
+    async fn deadline_passed(
+        &self,
+        saga: &mut SagaInstance,
+        definition: &SagaDefinition,
+        now: chrono::DateTime<Utc>,
+    ) -> bool {
+        let steps = definition.steps();
+        let at = usize::try_from(saga.current_step)
+            .unwrap_or(0)
+            .min(steps.len().saturating_sub(1));
+        let passed = SagaEvent::new(EventKind::DeadlinePassed, now);
+        let step = &steps[at];
+        if step.compensation().is_none() {
+            let why = format!(
+                "deadline passed at step `{}`, which has no compensation: the saga can only go \
+                 forward; retry it to let it finish",
+                step.name()
+            );
+            self.park(saga, vec![passed], why, now).await;
+            return false;
+        }
+        metrics::saga_compensation(definition.name(), CompensationTrigger::Deadline);
+        saga.status = SagaStatus::Compensating;
+        saga.current_step = i32::try_from(at).unwrap_or(i32::MAX);
+        saga.attempts = 0;
+        saga.last_error = Some("deadline passed".to_owned());
+        self.save(
+            saga,
+            vec![passed, SagaEvent::new(EventKind::Compensating, now)],
+        )
+        .await
+    }
+
+    /// Parks `saga` with `reason`, after `events`: it waits for an operator.
+    async fn park(
+        &self,
+        saga: &mut SagaInstance,
+        mut events: Vec<SagaEvent>,
+        reason: String,
+        at: chrono::DateTime<Utc>,
+    ) {
+        metrics::saga_parked(&saga.saga_name);
+        events.push(SagaEvent::new(EventKind::Parked, at).detail(reason.clone()));
+        saga.last_error = Some(reason.clone());
+        saga.parked = Some(reason);
+        saga.attempts = 0;
+        self.save(saga, events).await;
+    }
+
     /// Records a saga that reached its terminal state (saved).
-    fn finished(&self, saga: &SagaInstance) {
-        let elapsed = (Utc::now() - saga.created_at).to_std().unwrap_or_default();
-        metrics::saga_finished(self.definition.name(), saga.status, elapsed);
+    fn finished(&self, saga: &SagaInstance, name: &str) {
+        let elapsed = (self.clock.now() - saga.created_at)
+            .to_std()
+            .unwrap_or_default();
+        metrics::saga_finished(name, saga.status, elapsed);
     }
 
     async fn load(&self, id: &str) -> Option<SagaInstance> {
@@ -615,15 +798,16 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
         }
     }
 
-    /// Persists progress, retrying until the database takes it: the next command must
-    /// not go out before the state that led to it is stored. If another driver (a second
-    /// process, or a stale one) saved in between, nothing is written and `saga` is
-    /// reloaded: the driver goes on from the stored state, never from its stale copy.
-    /// Returns `false` when the row is gone: the driver must stop.
-    async fn save(&self, saga: &mut SagaInstance) -> bool {
-        saga.updated_at = Utc::now();
+    /// Persists progress with the `events` that led to it, retrying until the database
+    /// takes it: the next command must not go out before the state that led to it is
+    /// stored. If another driver (a second process, or a stale one) or an operator saved
+    /// in between, nothing is written and `saga` is reloaded: the driver goes on from the
+    /// stored state, never from its stale copy. Returns `false` when the row is gone: the
+    /// driver must stop.
+    async fn save(&self, saga: &mut SagaInstance, events: Vec<SagaEvent>) -> bool {
+        saga.updated_at = self.clock.now();
         loop {
-            match self.store.save(saga).await {
+            match self.store.save(saga, &events).await {
                 Ok(true) => return true,
                 Ok(false) => {
                     tracing::info!(saga_id = %saga.id, "saga changed under this driver; reloading");

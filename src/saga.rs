@@ -3,11 +3,15 @@
 //!
 //! Definitions live as TOML files under `sagas/` (see `sagas/checkout.toml`) and are
 //! loaded with [`SagaDefinition::load`], which refuses an invalid definition with a
-//! [`DefinitionError`] that names the saga and the step and says how to fix it.
+//! [`DefinitionError`] that names the saga and the step and says how to fix it. Each
+//! definition has a version; a saga runs to its end on the version it started under
+//! ([`versions`]).
 //!
 //! Instances of a saga are rows of `saga_instances` ([`SagaInstance`], [`SagaStore`]);
 //! each step's command has a stable id ([`SagaInstance::command_id`]), so every retry is
-//! the same message.
+//! the same message. Everything that happens to a saga is recorded in its history
+//! ([`SagaEvent`]), in the same transaction as the state it changes; an operator lists
+//! sagas, reads a history, and retries or cancels a stuck saga with [`operator`].
 //!
 //! A saga is started idempotently from a start message: its id is derived from the
 //! message's id ([`SagaInstance::from_start`] documents the envelope's shape), and
@@ -15,9 +19,15 @@
 //! every sender learns the one saga's id.
 
 mod definition;
+mod history;
 mod instance;
+pub mod operator;
+mod store;
+pub mod versions;
 
 pub use definition::{DefinitionError, RetryPolicy, SagaDefinition, StepDefinition};
+pub use history::{EventKind, HistoryEntry, SagaEvent, UnknownEventKind};
 pub use instance::{
-    Direction, SagaInstance, SagaStatus, SagaStore, StartError, Started, UnknownStatus,
+    Direction, SagaInstance, SagaStatus, StartError, UnknownDirection, UnknownStatus,
 };
+pub use store::{SagaFilter, SagaState, SagaStore, Started};

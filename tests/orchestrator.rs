@@ -16,7 +16,7 @@ use ractor::Actor;
 use sagabox::orchestrator::{
     DriveStats, InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage,
 };
-use sagabox::saga::{SagaDefinition, SagaInstance, SagaStore};
+use sagabox::saga::{Direction, EventKind, SagaDefinition, SagaEvent, SagaInstance, SagaStore};
 use sagabox::step::{StepError, StepHandler, StepPool, StepPoolConfig};
 use sagabox::testing::FaultyDispatch;
 use sagabox::{Envelope, InboxConfig, InboxGuard};
@@ -221,12 +221,7 @@ macro_rules! orchestrator_suite {
                 let (orchestrator, _) = Actor::spawn(
                     None,
                     Orchestrator::new(),
-                    OrchestratorArguments {
-                        definition,
-                        store: store.clone(),
-                        dispatch: Arc::new(FaultyDispatch::new(dispatch, 0.5, 0.2, 11)),
-                        stats: Arc::default(),
-                    },
+                    OrchestratorArguments::new(definition, store.clone(), Arc::new(FaultyDispatch::new(dispatch, 0.5, 0.2, 11))).with_stats(Arc::default()),
                 )
                 .await
                 .unwrap();
@@ -284,12 +279,7 @@ macro_rules! orchestrator_suite {
                 let (orchestrator, _) = Actor::spawn(
                     None,
                     Orchestrator::new(),
-                    OrchestratorArguments {
-                        definition: trip(),
-                        store: store.clone(),
-                        dispatch: Arc::new(FaultyDispatch::new(dispatch, duplicate_rate, lost_reply_rate, seed)),
-                        stats: stats.clone(),
-                    },
+                    OrchestratorArguments::new(trip(), store.clone(), Arc::new(FaultyDispatch::new(dispatch, duplicate_rate, lost_reply_rate, seed))).with_stats(stats.clone()),
                 )
                 .await
                 .unwrap();
@@ -361,7 +351,8 @@ macro_rules! orchestrator_suite {
             }
 
             /// Two drivers (or a stale process) holding copies of one saga: the second save
-            /// from the older copy writes nothing, so state never goes backwards.
+            /// from the older copy writes nothing, neither state nor history, so state never
+            /// goes backwards and the history holds only what the state says happened.
             #[tokio::test]
             async fn a_save_from_a_stale_copy_changes_nothing() {
                 let fx = <$fixture>::new().await;
@@ -370,11 +361,19 @@ macro_rules! orchestrator_suite {
                 let mut first = store.load(&id).await.unwrap().unwrap();
                 let mut stale = first.clone();
                 first.current_step = 2;
-                assert!(store.save(&mut first).await.unwrap());
+                let applied = SagaEvent::new(EventKind::Applied, Utc::now())
+                    .step("first", Direction::Forward)
+                    .attempt(1);
+                assert!(store.save(&mut first, &[applied.clone()]).await.unwrap());
                 stale.current_step = 1;
-                assert!(!store.save(&mut stale).await.unwrap(), "stale copy refused");
+                let stale_event = SagaEvent::new(EventKind::Refused, Utc::now()).detail("stale");
+                assert!(!store.save(&mut stale, &[stale_event]).await.unwrap(), "stale copy refused");
                 let stored = store.load(&id).await.unwrap().unwrap();
                 assert_eq!((stored.current_step, stored.version), (2, 1));
+                let history = store.history(&id).await.unwrap();
+                let kinds: Vec<_> = history.iter().map(|e| (e.version, e.event.kind)).collect();
+                assert_eq!(kinds, [(0, EventKind::Started), (1, EventKind::Applied)]);
+                assert_eq!(history[1].event.step.as_deref(), Some("first"));
             }
 
             /// ResumeAll drives only sagas of the orchestrator's own definition.

@@ -115,12 +115,7 @@ macro_rules! start_suite {
                 let (orchestrator, _) = Actor::spawn(
                     None,
                     Orchestrator::new(),
-                    OrchestratorArguments {
-                        definition: booking(),
-                        store: fx.store(1).await,
-                        dispatch: Arc::clone(dispatch),
-                        stats: Arc::default(),
-                    },
+                    OrchestratorArguments::new(booking(), fx.store(1).await, Arc::clone(dispatch)).with_stats(Arc::default()),
                 )
                 .await
                 .unwrap();

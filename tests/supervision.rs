@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use ractor::rpc::CallResult;
 use sagabox::orchestrator::{
-    Dispatch, DriveError, DriveStats, Orchestrator, OrchestratorArguments, OrchestratorMessage,
+    Dispatch, DriveError, Orchestrator, OrchestratorArguments, OrchestratorMessage,
 };
 use sagabox::pruner::{Maintenance, PrunePass, Pruner, PrunerArguments};
 use sagabox::saga::{SagaDefinition, SagaInstance, SagaStore};
@@ -100,12 +100,11 @@ async fn orchestrator(
         .spawn(
             "orchestrator",
             Orchestrator::new(),
-            OrchestratorArguments {
-                definition: Arc::new(SagaDefinition::from_toml_str(ONE_STEP).unwrap()),
-                store: store.clone(),
+            OrchestratorArguments::new(
+                Arc::new(SagaDefinition::from_toml_str(ONE_STEP).unwrap()),
+                store.clone(),
                 dispatch,
-                stats: Arc::new(DriveStats::default()),
-            },
+            ),
         )
         .await
         .unwrap();

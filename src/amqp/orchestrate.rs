@@ -30,7 +30,8 @@ use super::consumer::{Consumer, ConsumerHandle, ConsumerOptions, Disposition};
 use super::dispatch::AmqpDispatch;
 use crate::envelope::{ConsumerType, Envelope, KeyError};
 use crate::inbox::{InboxConfig, InboxError, InboxGuard};
-use crate::orchestrator::{DriveStats, Orchestrator, OrchestratorArguments, OrchestratorMessage};
+use crate::orchestrator::{Orchestrator, OrchestratorArguments, OrchestratorMessage};
+use crate::saga::versions::RegisterError;
 use crate::saga::{SagaDefinition, SagaStore, StartError};
 use crate::store::InboxStore;
 use crate::supervisor::{ActorDied, Supervision};
@@ -84,6 +85,9 @@ pub enum OrchestrateError {
     /// The database refused or could not be reached.
     #[error(transparent)]
     Inbox(#[from] InboxError),
+    /// A definition changed without a new version, or could not be stored.
+    #[error(transparent)]
+    Definition(#[from] RegisterError),
     /// An actor could not be started.
     #[error("could not start {what}: {reason}")]
     Spawn {
@@ -201,18 +205,22 @@ where
     S: InboxStore + SagaStore,
 {
     for definition in &config.definitions {
+        // Each orchestrator registers its definition as it starts; registering them all
+        // first refuses a changed definition before anything runs, with its own error.
+        store.register_definition(definition).await?;
+    }
+    for definition in &config.definitions {
         let name = definition.name().to_owned();
         let label = format!("orchestrator of {name}");
         let (actor, _handle) = supervision
             .spawn(
                 &label,
                 Orchestrator::new(),
-                OrchestratorArguments {
-                    definition: Arc::new(definition.clone()),
-                    store: store.clone(),
-                    dispatch: Arc::clone(dispatch),
-                    stats: Arc::new(DriveStats::default()),
-                },
+                OrchestratorArguments::new(
+                    Arc::new(definition.clone()),
+                    store.clone(),
+                    Arc::clone(dispatch),
+                ),
             )
             .await
             .map_err(|e| spawn_error(&label, e))?;

@@ -12,7 +12,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use rand::RngExt;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::envelope::{ConsumerType, KeyError, validate_key};
 
@@ -55,6 +55,21 @@ pub enum DefinitionError {
     /// The saga has no steps.
     #[error("saga `{saga}` has no steps: add at least one `[[steps]]` table")]
     NoSteps {
+        /// The saga.
+        saga: String,
+    },
+    /// The saga's version is 0.
+    #[error("saga `{saga}` has version 0: versions count from 1 (leave `version` out for 1)")]
+    ZeroVersion {
+        /// The saga.
+        saga: String,
+    },
+    /// The saga's deadline is zero.
+    #[error(
+        "saga `{saga}` has a zero deadline, which would cancel every saga at once: \
+         set a duration such as `deadline = \"15m\"`, or leave it out for none"
+    )]
+    ZeroDeadline {
         /// The saga.
         saga: String,
     },
@@ -257,6 +272,8 @@ fn origin(path: Option<&Path>) -> String {
 #[derive(Debug, Clone, PartialEq)]
 pub struct SagaDefinition {
     name: String,
+    version: u32,
+    deadline: Option<Duration>,
     steps: Vec<StepDefinition>,
 }
 
@@ -405,6 +422,44 @@ impl SagaDefinition {
         &self.name
     }
 
+    /// The definition's version (`version = N`, 1 when left out). A saga runs on the
+    /// version it started under; change the steps under a new version number, so that
+    /// sagas already running finish on the old ones.
+    pub fn version(&self) -> u32 {
+        self.version
+    }
+
+    /// How long a saga may run (`deadline = "15m"`): past it, a saga still running is
+    /// compensated, or parked for an operator when a step without compensation already
+    /// ran. `None` when the definition sets none.
+    pub fn deadline(&self) -> Option<Duration> {
+        self.deadline
+    }
+
+    /// The definition in canonical TOML: every field written out, defaults included, in
+    /// one order, without comments. Two files that define the same saga give the same
+    /// text, and [`from_toml_str`](Self::from_toml_str) reads it back to an equal
+    /// definition. This is what the orchestrator stores for each version it runs.
+    pub fn to_canonical_toml(&self) -> String {
+        let raw = RawSaga {
+            name: self.name.clone(),
+            version: Some(self.version),
+            deadline: self.deadline,
+            steps: self.steps.iter().map(RawStep::from).collect(),
+        };
+        // Every field is a string, a number or a table of them: serialising cannot fail.
+        toml::to_string(&raw).unwrap_or_else(|error| format!("# unserialisable: {error}"))
+    }
+
+    /// A fingerprint of the definition's content: the hex SHA-1 name hash (a UUIDv5) of
+    /// its [canonical TOML](Self::to_canonical_toml). Equal definitions have equal
+    /// fingerprints, whatever their comments or layout.
+    pub fn fingerprint(&self) -> String {
+        uuid::Uuid::new_v5(&FINGERPRINT_NAMESPACE, self.to_canonical_toml().as_bytes())
+            .simple()
+            .to_string()
+    }
+
     /// The steps, in the order they run.
     pub fn steps(&self) -> &[StepDefinition] {
         &self.steps
@@ -440,23 +495,36 @@ impl fmt::Display for SagaDefinition {
     }
 }
 
-/// The file as written, before validation.
-#[derive(Deserialize)]
+/// The namespace of definition fingerprints (a UUIDv5 name space of its own).
+const FINGERPRINT_NAMESPACE: uuid::Uuid =
+    uuid::Uuid::from_u128(0x5a6a_b0c5_d3f1_4e0b_9a51_7c0d_e1f1_a7e5);
+
+/// The file as written, before validation; also the shape of the canonical TOML.
+#[derive(Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct RawSaga {
     #[serde(default)]
     name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    version: Option<u32>,
+    #[serde(
+        default,
+        with = "humantime_serde",
+        skip_serializing_if = "Option::is_none"
+    )]
+    deadline: Option<Duration>,
     #[serde(default)]
     steps: Vec<RawStep>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct RawStep {
     #[serde(default)]
     name: String,
     consumer_type: String,
     command: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
     compensation: Option<String>,
     #[serde(with = "humantime_serde")]
     timeout: Duration,
@@ -464,16 +532,46 @@ struct RawStep {
     retry: RawRetry,
 }
 
-#[derive(Default, Deserialize)]
+#[derive(Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct RawRetry {
+    #[serde(skip_serializing_if = "Option::is_none")]
     max_attempts: Option<u32>,
-    #[serde(default, with = "humantime_serde")]
+    #[serde(
+        default,
+        with = "humantime_serde",
+        skip_serializing_if = "Option::is_none"
+    )]
     initial_backoff: Option<Duration>,
-    #[serde(default, with = "humantime_serde")]
+    #[serde(
+        default,
+        with = "humantime_serde",
+        skip_serializing_if = "Option::is_none"
+    )]
     max_backoff: Option<Duration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     multiplier: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     jitter: Option<f64>,
+}
+
+impl From<&StepDefinition> for RawStep {
+    fn from(step: &StepDefinition) -> Self {
+        Self {
+            name: step.name.clone(),
+            consumer_type: step.consumer_type.as_str().to_owned(),
+            command: step.command.clone(),
+            compensation: step.compensation.clone(),
+            timeout: step.timeout,
+            retry: RawRetry {
+                max_attempts: step.retry.max_attempts,
+                initial_backoff: Some(step.retry.initial_backoff),
+                max_backoff: Some(step.retry.max_backoff),
+                multiplier: Some(step.retry.multiplier),
+                jitter: Some(step.retry.jitter),
+            },
+        }
+    }
 }
 
 fn parse(text: &str, path: Option<&Path>) -> Result<SagaDefinition, DefinitionError> {
@@ -497,6 +595,13 @@ fn validate(raw: RawSaga) -> Result<SagaDefinition, DefinitionError> {
     let saga = raw.name;
     if raw.steps.is_empty() {
         return Err(DefinitionError::NoSteps { saga });
+    }
+    let version = raw.version.unwrap_or(1);
+    if version == 0 {
+        return Err(DefinitionError::ZeroVersion { saga });
+    }
+    if raw.deadline.is_some_and(|deadline| deadline.is_zero()) {
+        return Err(DefinitionError::ZeroDeadline { saga });
     }
 
     let mut names = HashSet::new();
@@ -539,7 +644,12 @@ fn validate(raw: RawSaga) -> Result<SagaDefinition, DefinitionError> {
         });
     }
 
-    Ok(SagaDefinition { name: saga, steps })
+    Ok(SagaDefinition {
+        name: saga,
+        version,
+        deadline: raw.deadline,
+        steps,
+    })
 }
 
 fn validate_step(

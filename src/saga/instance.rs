@@ -1,19 +1,17 @@
 //! Saga instances as the orchestrator persists them (`saga_instances`), the stable ids of
-//! their commands, the idempotent start of a saga from a start message
-//! ([`SagaInstance::from_start`], [`SagaStore::create_if_absent`]), and [`SagaStore`], the
-//! SQL that reads and writes them.
+//! their commands, and the idempotent start of a saga from a start message
+//! ([`SagaInstance::from_start`], [`SagaStore::create_if_absent`]).
 
 use std::fmt;
-use std::future::Future;
 use std::str::FromStr;
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use sqlx::types::Json;
-use sqlx::{Database, Row};
 
 use crate::envelope::{Envelope, MessageId};
 use crate::saga::SagaDefinition;
+#[cfg(doc)]
+use crate::saga::SagaStore;
 
 /// Where a saga instance stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -118,6 +116,33 @@ pub enum Direction {
     Backward,
 }
 
+impl Direction {
+    /// `forward` or `backward`, as the saga history stores it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Direction::Forward => "forward",
+            Direction::Backward => "backward",
+        }
+    }
+}
+
+/// A direction text that is neither `forward` nor `backward`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown step direction {0:?}: expected forward or backward")]
+pub struct UnknownDirection(String);
+
+impl FromStr for Direction {
+    type Err = UnknownDirection;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "forward" => Ok(Direction::Forward),
+            "backward" => Ok(Direction::Backward),
+            other => Err(UnknownDirection(other.to_owned())),
+        }
+    }
+}
+
 /// One saga instance, as stored.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SagaInstance {
@@ -142,10 +167,18 @@ pub struct SagaInstance {
     pub last_error: Option<String>,
     /// How many saves this copy has seen; a save from an older copy is refused.
     pub version: i64,
+    /// The version of its definition the saga runs on ([`SagaDefinition::version`]).
+    pub definition_version: u32,
+    /// Why the saga waits for an operator, or `None`. A parked saga is not driven until
+    /// an operator retries or cancels it (see [`crate::saga::operator`]).
+    pub parked: Option<String>,
+    /// When a saga still running is compensated instead ([`SagaDefinition::deadline`]).
+    pub deadline_at: Option<DateTime<Utc>>,
 }
 
 impl SagaInstance {
-    /// A new running instance at its first step.
+    /// A new running instance at its first step, on version 1 of its definition and
+    /// without a deadline. [`under`](Self::under) takes both from the definition.
     pub fn new(
         id: impl Into<String>,
         saga_name: impl Into<String>,
@@ -163,6 +196,37 @@ impl SagaInstance {
             updated_at: now,
             last_error: None,
             version: 0,
+            definition_version: 1,
+            parked: None,
+            deadline_at: None,
+        }
+    }
+
+    /// A new running instance of `definition` at its first step: on the definition's
+    /// version, with its deadline counted from `now`.
+    pub fn under(
+        definition: &SagaDefinition,
+        id: impl Into<String>,
+        data: Value,
+        now: DateTime<Utc>,
+    ) -> Self {
+        let deadline_at = definition
+            .deadline()
+            .and_then(|deadline| chrono::TimeDelta::from_std(deadline).ok())
+            .and_then(|deadline| now.checked_add_signed(deadline));
+        Self {
+            definition_version: definition.version(),
+            deadline_at,
+            ..Self::new(id, definition.name(), data, now)
+        }
+    }
+
+    /// Where the saga stands for an operator: its status, or `parked`.
+    pub fn state(&self) -> &'static str {
+        if self.parked.is_some() {
+            "parked"
+        } else {
+            self.status.as_str()
         }
     }
 
@@ -224,9 +288,9 @@ impl SagaInstance {
                 saga_id: saga_id.clone(),
             });
         }
-        Ok(Self::new(
+        Ok(Self::under(
+            definition,
             Self::start_id(definition.name(), &start.id),
-            definition.name(),
             start.payload.clone(),
             now,
         ))
@@ -248,223 +312,22 @@ impl SagaInstance {
     /// A UUIDv7 whose time is the saga's creation time (so the inbox files every command
     /// of a saga under one stable month, on its fast path) and whose other bits are a
     /// SHA-1 name hash of `(saga id, step, direction)`.
+    ///
+    /// Versions after the first add theirs to the name, so that step 1 of version 2 is
+    /// not the same message as step 1 of version 1 (their steps may differ); version 1
+    /// keeps the ids sagas had before versions existed.
     pub fn command_id(&self, step: usize, direction: Direction) -> MessageId {
         let direction = match direction {
             Direction::Forward => "do",
             Direction::Backward => "undo",
         };
-        let name = format!("{}\u{1f}{step}\u{1f}{direction}", self.id);
+        let name = match self.definition_version {
+            1 => format!("{}\u{1f}{step}\u{1f}{direction}", self.id),
+            version => format!("{}\u{1f}v{version}\u{1f}{step}\u{1f}{direction}", self.id),
+        };
         MessageId::derive_v7(self.created_at, &name)
     }
 }
-
-/// What [`SagaStore::create_if_absent`] found.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Started {
-    /// The stored saga: the one this call inserted, or the one an earlier start stored.
-    pub saga: SagaInstance,
-    /// Whether this call inserted it.
-    pub created: bool,
-}
-
-/// Where saga instances are stored: the same database as the inbox, so the demo can
-/// create an order and its saga in one transaction.
-pub trait SagaStore: Clone + Send + Sync + 'static {
-    /// The database.
-    type SagaDb: Database;
-
-    /// Inserts `instance` with the caller's connection (inside the caller's transaction).
-    fn insert(
-        conn: &mut <Self::SagaDb as Database>::Connection,
-        instance: &SagaInstance,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
-
-    /// Inserts `instance` unless a saga with its id is stored already, and returns the
-    /// stored one either way: the idempotent start ([`SagaInstance::from_start`]).
-    ///
-    /// Atomic under any number of concurrent callers, in one process or many: the
-    /// insert is an `INSERT … ON CONFLICT (id) DO NOTHING`, which waits for a racing
-    /// insert of the same id to commit (or roll back) before it decides, and only when
-    /// it inserted nothing is the row read back. Exactly one caller gets
-    /// `created: true`; every caller gets the same saga. Fails with
-    /// [`sqlx::Error::RowNotFound`] only if the saga it lost to is deleted before it can
-    /// be read, again and again.
-    fn create_if_absent(
-        &self,
-        instance: &SagaInstance,
-    ) -> impl Future<Output = Result<Started, sqlx::Error>> + Send;
-
-    /// The instance with `id`, if any.
-    fn load(
-        &self,
-        id: &str,
-    ) -> impl Future<Output = Result<Option<SagaInstance>, sqlx::Error>> + Send;
-
-    /// Writes `instance`'s progress if the stored row is still at `instance.version`
-    /// (and bumps both); returns `false`, writing nothing, when another driver saved
-    /// since this copy was loaded — reload it then.
-    fn save(
-        &self,
-        instance: &mut SagaInstance,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
-
-    /// The ids of every instance of `saga_name` not yet completed or compensated,
-    /// oldest first.
-    fn unfinished(
-        &self,
-        saga_name: &str,
-    ) -> impl Future<Output = Result<Vec<String>, sqlx::Error>> + Send;
-}
-
-const INSERT: &str = "INSERT INTO saga_instances \
-    (id, saga_name, status, current_step, attempts, data, created_at, updated_at, last_error) \
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)";
-const INSERT_IF_ABSENT: &str = "INSERT INTO saga_instances \
-    (id, saga_name, status, current_step, attempts, data, created_at, updated_at, last_error) \
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (id) DO NOTHING";
-/// How many times [`SagaStore::create_if_absent`] inserts again when the saga it lost to
-/// was deleted before it could read it back.
-const CREATE_ATTEMPTS: usize = 3;
-const SELECT: &str = "SELECT id, saga_name, status, current_step, attempts, data, created_at, \
-    updated_at, last_error, version FROM saga_instances WHERE id = $1";
-const UPDATE: &str = "UPDATE saga_instances SET status = $2, current_step = $3, attempts = $4, \
-    data = $5, updated_at = $6, last_error = $7, version = version + 1 WHERE id = $1 AND version = $8";
-const UNFINISHED: &str = "SELECT id FROM saga_instances \
-    WHERE saga_name = $1 AND status IN ('running', 'compensating') ORDER BY created_at, id";
-
-fn from_row<R: Row>(row: &R) -> Result<SagaInstance, sqlx::Error>
-where
-    for<'r> &'r str: sqlx::ColumnIndex<R>,
-    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> Json<Value>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> DateTime<Utc>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-{
-    let status: String = row.try_get("status")?;
-    Ok(SagaInstance {
-        id: row.try_get("id")?,
-        saga_name: row.try_get("saga_name")?,
-        status: status
-            .parse()
-            .map_err(|error| sqlx::Error::Decode(Box::new(error)))?,
-        current_step: row.try_get("current_step")?,
-        attempts: row.try_get("attempts")?,
-        data: row.try_get::<Json<Value>, _>("data")?.0,
-        created_at: row.try_get("created_at")?,
-        updated_at: row.try_get("updated_at")?,
-        last_error: row.try_get("last_error")?,
-        version: row.try_get("version")?,
-    })
-}
-
-macro_rules! saga_store {
-    ($store:ty, $db:ty) => {
-        impl SagaStore for $store {
-            type SagaDb = $db;
-
-            async fn insert(
-                conn: &mut <$db as Database>::Connection,
-                instance: &SagaInstance,
-            ) -> Result<(), sqlx::Error> {
-                sqlx::query(INSERT)
-                    .bind(&instance.id)
-                    .bind(&instance.saga_name)
-                    .bind(instance.status.as_str())
-                    .bind(instance.current_step)
-                    .bind(instance.attempts)
-                    .bind(Json(&instance.data))
-                    .bind(instance.created_at)
-                    .bind(instance.updated_at)
-                    .bind(&instance.last_error)
-                    .execute(&mut *conn)
-                    .await?;
-                Ok(())
-            }
-
-            async fn create_if_absent(
-                &self,
-                instance: &SagaInstance,
-            ) -> Result<Started, sqlx::Error> {
-                for _ in 0..CREATE_ATTEMPTS {
-                    let inserted = sqlx::query(INSERT_IF_ABSENT)
-                        .bind(&instance.id)
-                        .bind(&instance.saga_name)
-                        .bind(instance.status.as_str())
-                        .bind(instance.current_step)
-                        .bind(instance.attempts)
-                        .bind(Json(&instance.data))
-                        .bind(instance.created_at)
-                        .bind(instance.updated_at)
-                        .bind(&instance.last_error)
-                        .execute(self.pool())
-                        .await?
-                        .rows_affected()
-                        == 1;
-                    if inserted {
-                        return Ok(Started {
-                            saga: SagaInstance {
-                                version: 0,
-                                ..instance.clone()
-                            },
-                            created: true,
-                        });
-                    }
-                    // The conflicting row committed before `DO NOTHING` decided, so a
-                    // new statement sees it — unless it was deleted since: insert again.
-                    if let Some(saga) = self.load(&instance.id).await? {
-                        return Ok(Started {
-                            saga,
-                            created: false,
-                        });
-                    }
-                }
-                Err(sqlx::Error::RowNotFound)
-            }
-
-            async fn load(&self, id: &str) -> Result<Option<SagaInstance>, sqlx::Error> {
-                let row = sqlx::query(SELECT)
-                    .bind(id)
-                    .fetch_optional(self.pool())
-                    .await?;
-                row.as_ref().map(from_row).transpose()
-            }
-
-            async fn save(&self, instance: &mut SagaInstance) -> Result<bool, sqlx::Error> {
-                let saved = sqlx::query(UPDATE)
-                    .bind(&instance.id)
-                    .bind(instance.status.as_str())
-                    .bind(instance.current_step)
-                    .bind(instance.attempts)
-                    .bind(Json(&instance.data))
-                    .bind(instance.updated_at)
-                    .bind(&instance.last_error)
-                    .bind(instance.version)
-                    .execute(self.pool())
-                    .await?
-                    .rows_affected()
-                    == 1;
-                if saved {
-                    instance.version += 1;
-                }
-                Ok(saved)
-            }
-
-            async fn unfinished(&self, saga_name: &str) -> Result<Vec<String>, sqlx::Error> {
-                sqlx::query_scalar(UNFINISHED)
-                    .bind(saga_name)
-                    .fetch_all(self.pool())
-                    .await
-            }
-        }
-    };
-}
-
-#[cfg(feature = "postgres")]
-saga_store!(crate::PostgresStore, sqlx::Postgres);
-#[cfg(feature = "sqlite")]
-saga_store!(crate::SqliteStore, sqlx::Sqlite);
 
 #[cfg(test)]
 mod tests {

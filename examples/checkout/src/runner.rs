@@ -171,17 +171,18 @@ macro_rules! backend_run {
             let (orchestrator, orchestrator_handle) = supervision.spawn(
                 "orchestrator",
                 Orchestrator::new(),
-                OrchestratorArguments {
-                    definition: Arc::clone(&definition),
-                    store: store.clone(),
-                    dispatch: Arc::new(FaultyDispatch::new(
+                OrchestratorArguments::new(
+                    Arc::clone(&definition),
+                    store.clone(),
+                    Arc::new(FaultyDispatch::new(
                         FreshIds::new(Arc::clone(&dispatch), config.no_inbox),
                         config.duplicate_rate,
                         config.lost_reply_rate,
                         config.seed,
                     )),
-                    stats: Arc::clone(&stats),
-                },
+                )
+                .with_stats(Arc::clone(&stats))
+                .with_clock(Arc::new(clock.clone())),
             )
             .await
             .map_err(|e| DemoError::Actor(e.to_string()))?;
@@ -224,7 +225,7 @@ macro_rules! backend_run {
                     .map_err(|e| DemoError::Actor(e.to_string()))?;
                 let (order_id, data) = order(&mut rng, config.decline_rate);
                 // Saga times come from the run's clock: command ids are derived from them.
-                let saga = SagaInstance::new(Uuid::now_v7().to_string(), definition.name(), data.clone(), clock.now());
+                let saga = SagaInstance::under(&definition, Uuid::now_v7().to_string(), data.clone(), clock.now());
                 // The order and its saga commit together: no order without its saga.
                 let mut tx = pool.begin().await?;
                 sqlx::query("INSERT INTO demo_orders (id, saga_id, sku, quantity, amount_cents) VALUES ($1, $2, $3, $4, $5)")

@@ -34,7 +34,7 @@ mod late_charge {
     use chrono::Utc;
     use ractor::Actor;
     use sagabox::orchestrator::{
-        DriveStats, InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage,
+        InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage,
     };
     use sagabox::saga::{SagaDefinition, SagaInstance, SagaStore};
     use sagabox::step::{StepError, StepHandler, StepPool, StepPoolConfig};
@@ -105,12 +105,7 @@ timeout = "5s"
         let (orchestrator, _) = Actor::spawn(
             None,
             Orchestrator::new(),
-            OrchestratorArguments {
-                definition,
-                store: store.clone(),
-                dispatch: Arc::new(dispatch),
-                stats: Arc::new(DriveStats::default()),
-            },
+            OrchestratorArguments::new(definition, store.clone(), Arc::new(dispatch)),
         )
         .await
         .unwrap();

@@ -373,12 +373,8 @@ max_backoff = "500ms"
     let (orchestrator, handle) = Actor::spawn(
         None,
         Orchestrator::new(),
-        OrchestratorArguments {
-            definition,
-            store,
-            dispatch: Arc::new(dispatch),
-            stats: Arc::clone(&stats),
-        },
+        OrchestratorArguments::new(definition, store, Arc::new(dispatch))
+            .with_stats(Arc::clone(&stats)),
     )
     .await
     .unwrap();

@@ -44,12 +44,12 @@ impl<B: Backend> Service<B> {
         let (orchestrator, _) = Actor::spawn(
             None,
             Orchestrator::new(),
-            OrchestratorArguments {
-                definition: Arc::new(sagabox_trip::definition().unwrap()),
-                store: store.clone(),
-                dispatch: Arc::clone(&faults),
-                stats: Arc::clone(&stats),
-            },
+            OrchestratorArguments::new(
+                Arc::new(sagabox_trip::definition().unwrap()),
+                store.clone(),
+                Arc::clone(&faults),
+            )
+            .with_stats(Arc::clone(&stats)),
         )
         .await
         .unwrap();

@@ -1,0 +1,601 @@
+//! [`SagaStore`]: the SQL that reads and writes saga instances (`saga_instances`), their
+//! history (`sagabox_saga_events`) and the definition versions the orchestrators have run
+//! (`sagabox_saga_definitions`), on PostgreSQL and SQLite.
+//!
+//! Every write of a saga's state writes its events with it, atomically: on PostgreSQL in
+//! one statement (the state's `UPDATE` in a common table expression feeding the events'
+//! `INSERT`), on SQLite in one `BEGIN IMMEDIATE` transaction.
+
+use std::future::Future;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::types::Json;
+use sqlx::{Database, Row};
+
+use crate::saga::history::{self, HistoryEntry, SagaEvent};
+use crate::saga::versions::RegisterError;
+use crate::saga::{Direction, EventKind, SagaDefinition, SagaInstance, SagaStatus};
+
+/// What [`SagaStore::create_if_absent`] found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Started {
+    /// The stored saga: the one this call inserted, or the one an earlier start stored.
+    pub saga: SagaInstance,
+    /// Whether this call inserted it.
+    pub created: bool,
+}
+
+/// Which sagas [`SagaStore::list`] returns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SagaFilter {
+    /// Only sagas in this state; `None` for all.
+    pub state: Option<SagaState>,
+    /// Only sagas of this definition; `None` for all.
+    pub saga_name: Option<String>,
+    /// At most this many, newest first.
+    pub limit: u32,
+}
+
+impl Default for SagaFilter {
+    fn default() -> Self {
+        Self {
+            state: None,
+            saga_name: None,
+            limit: 100,
+        }
+    }
+}
+
+/// Where a saga stands for an operator: a [`SagaStatus`], or parked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SagaState {
+    /// In this status and not parked.
+    Status(SagaStatus),
+    /// Waiting for an operator (see [`crate::saga::operator`]).
+    Parked,
+}
+
+impl std::str::FromStr for SagaState {
+    type Err = crate::saga::UnknownStatus;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "parked" => Ok(SagaState::Parked),
+            other => other.parse().map(SagaState::Status),
+        }
+    }
+}
+
+/// Where saga instances, their history and their definitions are stored: the same
+/// database as the inbox, so the demo can create an order and its saga in one
+/// transaction.
+pub trait SagaStore: Clone + Send + Sync + 'static {
+    /// The database.
+    type SagaDb: Database;
+
+    /// Inserts `instance`, and its `started` event, with the caller's connection (inside
+    /// the caller's transaction, if it has one).
+    fn insert(
+        conn: &mut <Self::SagaDb as Database>::Connection,
+        instance: &SagaInstance,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Inserts `instance` unless a saga with its id is stored already, and returns the
+    /// stored one either way: the idempotent start ([`SagaInstance::from_start`]).
+    ///
+    /// Atomic under any number of concurrent callers, in one process or many: the
+    /// insert is an `INSERT … ON CONFLICT (id) DO NOTHING`, which waits for a racing
+    /// insert of the same id to commit (or roll back) before it decides, and only when
+    /// it inserted nothing is the row read back. Exactly one caller gets
+    /// `created: true` (and writes the `started` event); every caller gets the same
+    /// saga. Fails with [`sqlx::Error::RowNotFound`] only if the saga it lost to is
+    /// deleted before it can be read, again and again.
+    fn create_if_absent(
+        &self,
+        instance: &SagaInstance,
+    ) -> impl Future<Output = Result<Started, sqlx::Error>> + Send;
+
+    /// The instance with `id`, if any.
+    fn load(
+        &self,
+        id: &str,
+    ) -> impl Future<Output = Result<Option<SagaInstance>, sqlx::Error>> + Send;
+
+    /// Writes `instance`'s progress and `events` if the stored row is still at
+    /// `instance.version`, and bumps both; returns `false`, writing nothing, when another
+    /// driver or an operator saved since this copy was loaded — reload it then. The
+    /// events are stored under the new version, atomically with the state: give at
+    /// least one, so that every version of the saga has its entry in the history.
+    fn save(
+        &self,
+        instance: &mut SagaInstance,
+        events: &[SagaEvent],
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// The ids of every instance of `saga_name` not yet completed or compensated, and
+    /// not parked, oldest first.
+    fn unfinished(
+        &self,
+        saga_name: &str,
+    ) -> impl Future<Output = Result<Vec<String>, sqlx::Error>> + Send;
+
+    /// Sagas matching `filter`, newest first.
+    fn list(
+        &self,
+        filter: &SagaFilter,
+    ) -> impl Future<Output = Result<Vec<SagaInstance>, sqlx::Error>> + Send;
+
+    /// The history of saga `id`, oldest first: empty for an unknown id.
+    fn history(
+        &self,
+        id: &str,
+    ) -> impl Future<Output = Result<Vec<HistoryEntry>, sqlx::Error>> + Send;
+
+    /// Stores `definition` under its name and version unless stored already. Refuses a
+    /// definition whose name and version are stored with other content.
+    fn register_definition(
+        &self,
+        definition: &SagaDefinition,
+    ) -> impl Future<Output = Result<(), RegisterError>> + Send;
+
+    /// The canonical TOML stored for `name`'s version `version`, if any.
+    fn stored_definition(
+        &self,
+        name: &str,
+        version: u32,
+    ) -> impl Future<Output = Result<Option<String>, sqlx::Error>> + Send;
+}
+
+/// How many times [`SagaStore::create_if_absent`] inserts again when the saga it lost to
+/// was deleted before it could read it back.
+const CREATE_ATTEMPTS: usize = 3;
+const SELECT: &str = "SELECT id, saga_name, status, current_step, attempts, data, created_at, \
+    updated_at, last_error, version, definition_version, parked_reason, deadline_at \
+    FROM saga_instances WHERE id = $1";
+const UNFINISHED: &str = "SELECT id FROM saga_instances WHERE saga_name = $1 \
+    AND status IN ('running', 'compensating') AND parked_reason IS NULL ORDER BY created_at, id";
+const HISTORY: &str = "SELECT version, at, kind, step, direction, attempt, duration_ms, detail \
+    FROM sagabox_saga_events WHERE saga_id = $1 ORDER BY version, ordinal";
+const REGISTER: &str = "INSERT INTO sagabox_saga_definitions \
+    (name, version, fingerprint, definition, first_seen) VALUES ($1, $2, $3, $4, $5) \
+    ON CONFLICT (name, version) DO NOTHING";
+const STORED_FINGERPRINT: &str =
+    "SELECT fingerprint FROM sagabox_saga_definitions WHERE name = $1 AND version = $2";
+const STORED_DEFINITION: &str =
+    "SELECT definition FROM sagabox_saga_definitions WHERE name = $1 AND version = $2";
+
+/// The SQL that differs between the two databases.
+#[cfg(feature = "postgres")]
+mod pg {
+    /// Inserts the saga and its `started` event in one statement.
+    pub(super) const INSERT: &str = "WITH saga AS (INSERT INTO saga_instances \
+        (id, saga_name, status, current_step, attempts, data, created_at, updated_at, \
+         last_error, definition_version, parked_reason, deadline_at) \
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) RETURNING id, created_at) \
+        INSERT INTO sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind) \
+        SELECT id, created_at, 0, 0, $8, 'started' FROM saga";
+    /// [`INSERT`], unless a saga with the id is stored: then neither row is written.
+    pub(super) const INSERT_IF_ABSENT: &str = "WITH saga AS (INSERT INTO saga_instances \
+        (id, saga_name, status, current_step, attempts, data, created_at, updated_at, \
+         last_error, definition_version, parked_reason, deadline_at) \
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
+        ON CONFLICT (id) DO NOTHING RETURNING id, created_at) \
+        INSERT INTO sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind) \
+        SELECT id, created_at, 0, 0, $8, 'started' FROM saga";
+    /// Saves the state alone, for a save without events.
+    pub(super) const UPDATE: &str = "UPDATE saga_instances SET status = $2, current_step = $3, \
+        attempts = $4, data = $5, updated_at = $6, last_error = $7, parked_reason = $9, \
+        deadline_at = $10, version = version + 1 WHERE id = $1 AND version = $8";
+    /// Saves the state and its events in one statement: no event row without the state's
+    /// update, which the version fence may refuse.
+    pub(super) const SAVE: &str = "WITH saga AS (UPDATE saga_instances SET status = $2, \
+        current_step = $3, attempts = $4, data = $5, updated_at = $6, last_error = $7, \
+        parked_reason = $9, deadline_at = $10, version = version + 1 \
+        WHERE id = $1 AND version = $8 RETURNING id, created_at, version) \
+        INSERT INTO sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind, \
+            step, direction, attempt, duration_ms, detail) \
+        SELECT saga.id, saga.created_at, saga.version, e.ordinal, e.at, e.kind, e.step, \
+            e.direction, e.attempt, e.duration_ms, e.detail \
+        FROM saga CROSS JOIN jsonb_to_recordset($11) AS e(ordinal integer, at timestamptz, \
+            kind text, step text, direction text, attempt integer, duration_ms bigint, detail text)";
+    pub(super) const LIST: &str = "SELECT id, saga_name, status, current_step, attempts, data, \
+        created_at, updated_at, last_error, version, definition_version, parked_reason, deadline_at \
+        FROM saga_instances \
+        WHERE ($1::text IS NULL OR status = $1) \
+          AND ($2::boolean IS NULL OR (parked_reason IS NOT NULL) = $2) \
+          AND ($3::text IS NULL OR saga_name = $3) \
+        ORDER BY created_at DESC, id DESC LIMIT $4";
+}
+
+/// The SQL that differs between the two databases.
+#[cfg(feature = "sqlite")]
+mod lite {
+    pub(super) const INSERT: &str = "INSERT INTO saga_instances \
+        (id, saga_name, status, current_step, attempts, data, created_at, updated_at, \
+         last_error, definition_version, parked_reason, deadline_at) \
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
+    pub(super) const INSERT_IF_ABSENT: &str = "INSERT INTO saga_instances \
+        (id, saga_name, status, current_step, attempts, data, created_at, updated_at, \
+         last_error, definition_version, parked_reason, deadline_at) \
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT (id) DO NOTHING";
+    pub(super) const STARTED: &str = "INSERT INTO sagabox_saga_events \
+        (saga_id, saga_created_at, version, ordinal, at, kind) VALUES ($1, $2, 0, 0, $3, 'started')";
+    pub(super) const UPDATE: &str = "UPDATE saga_instances SET status = $2, current_step = $3, \
+        attempts = $4, data = $5, updated_at = $6, last_error = $7, parked_reason = $9, \
+        deadline_at = $10, version = version + 1 WHERE id = $1 AND version = $8 RETURNING version";
+    pub(super) const EVENTS: &str = "INSERT INTO sagabox_saga_events (saga_id, saga_created_at, \
+        version, ordinal, at, kind, step, direction, attempt, duration_ms, detail) \
+        SELECT $1, $2, $3, json_extract(value, '$.ordinal'), json_extract(value, '$.at'), \
+            json_extract(value, '$.kind'), json_extract(value, '$.step'), \
+            json_extract(value, '$.direction'), json_extract(value, '$.attempt'), \
+            json_extract(value, '$.duration_ms'), json_extract(value, '$.detail') \
+        FROM json_each($4)";
+    pub(super) const LIST: &str = "SELECT id, saga_name, status, current_step, attempts, data, \
+        created_at, updated_at, last_error, version, definition_version, parked_reason, deadline_at \
+        FROM saga_instances \
+        WHERE ($1 IS NULL OR status = $1) \
+          AND ($2 IS NULL OR (parked_reason IS NOT NULL) = $2) \
+          AND ($3 IS NULL OR saga_name = $3) \
+        ORDER BY created_at DESC, id DESC LIMIT $4";
+}
+
+fn from_row<R: Row>(row: &R) -> Result<SagaInstance, sqlx::Error>
+where
+    for<'r> &'r str: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Json<Value>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> DateTime<Utc>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<DateTime<Utc>>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let status: String = row.try_get("status")?;
+    let definition_version: i32 = row.try_get("definition_version")?;
+    Ok(SagaInstance {
+        id: row.try_get("id")?,
+        saga_name: row.try_get("saga_name")?,
+        status: status
+            .parse()
+            .map_err(|error| sqlx::Error::Decode(Box::new(error)))?,
+        current_step: row.try_get("current_step")?,
+        attempts: row.try_get("attempts")?,
+        data: row.try_get::<Json<Value>, _>("data")?.0,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+        last_error: row.try_get("last_error")?,
+        version: row.try_get("version")?,
+        definition_version: u32::try_from(definition_version)
+            .map_err(|error| sqlx::Error::Decode(Box::new(error)))?,
+        parked: row.try_get("parked_reason")?,
+        deadline_at: row.try_get("deadline_at")?,
+    })
+}
+
+fn entry_from_row<R: Row>(row: &R) -> Result<HistoryEntry, sqlx::Error>
+where
+    for<'r> &'r str: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<i32>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<i64>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> DateTime<Utc>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let decode = |error: Box<dyn std::error::Error + Send + Sync>| sqlx::Error::Decode(error);
+    let kind: String = row.try_get("kind")?;
+    let direction: Option<String> = row.try_get("direction")?;
+    let duration_ms: Option<i64> = row.try_get("duration_ms")?;
+    Ok(HistoryEntry {
+        version: row.try_get("version")?,
+        event: SagaEvent {
+            at: row.try_get("at")?,
+            kind: kind
+                .parse::<EventKind>()
+                .map_err(|error| decode(Box::new(error)))?,
+            step: row.try_get("step")?,
+            direction: direction
+                .map(|text| text.parse::<Direction>())
+                .transpose()
+                .map_err(|error| decode(Box::new(error)))?,
+            attempt: row.try_get("attempt")?,
+            duration: duration_ms
+                .map(|ms| std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
+            detail: row.try_get("detail")?,
+        },
+    })
+}
+
+/// The list filter's status and parked parameters.
+fn state_params(filter: &SagaFilter) -> (Option<&'static str>, Option<bool>) {
+    match filter.state {
+        None => (None, None),
+        Some(SagaState::Parked) => (None, Some(true)),
+        Some(SagaState::Status(status)) if status.is_terminal() => (Some(status.as_str()), None),
+        Some(SagaState::Status(status)) => (Some(status.as_str()), Some(false)),
+    }
+}
+
+fn definition_version(instance: &SagaInstance) -> i32 {
+    i32::try_from(instance.definition_version).unwrap_or(i32::MAX)
+}
+
+macro_rules! common_methods {
+    ($db:ty) => {
+        async fn load(&self, id: &str) -> Result<Option<SagaInstance>, sqlx::Error> {
+            let row = sqlx::query(SELECT)
+                .bind(id)
+                .fetch_optional(self.pool())
+                .await?;
+            row.as_ref().map(from_row).transpose()
+        }
+
+        async fn unfinished(&self, saga_name: &str) -> Result<Vec<String>, sqlx::Error> {
+            sqlx::query_scalar(UNFINISHED)
+                .bind(saga_name)
+                .fetch_all(self.pool())
+                .await
+        }
+
+        async fn history(&self, id: &str) -> Result<Vec<HistoryEntry>, sqlx::Error> {
+            let rows = sqlx::query(HISTORY).bind(id).fetch_all(self.pool()).await?;
+            rows.iter().map(entry_from_row).collect()
+        }
+
+        async fn register_definition(
+            &self,
+            definition: &SagaDefinition,
+        ) -> Result<(), RegisterError> {
+            let fingerprint = definition.fingerprint();
+            let version = i32::try_from(definition.version()).unwrap_or(i32::MAX);
+            sqlx::query(REGISTER)
+                .bind(definition.name())
+                .bind(version)
+                .bind(&fingerprint)
+                .bind(definition.to_canonical_toml())
+                .bind(Utc::now())
+                .execute(self.pool())
+                .await?;
+            let stored: String = sqlx::query_scalar(STORED_FINGERPRINT)
+                .bind(definition.name())
+                .bind(version)
+                .fetch_one(self.pool())
+                .await?;
+            if stored == fingerprint {
+                Ok(())
+            } else {
+                Err(RegisterError::Changed {
+                    name: definition.name().to_owned(),
+                    version: definition.version(),
+                })
+            }
+        }
+
+        async fn stored_definition(
+            &self,
+            name: &str,
+            version: u32,
+        ) -> Result<Option<String>, sqlx::Error> {
+            sqlx::query_scalar(STORED_DEFINITION)
+                .bind(name)
+                .bind(i32::try_from(version).unwrap_or(i32::MAX))
+                .fetch_optional(self.pool())
+                .await
+        }
+
+        async fn list(&self, filter: &SagaFilter) -> Result<Vec<SagaInstance>, sqlx::Error> {
+            let (status, parked) = state_params(filter);
+            let rows = sqlx::query(Self::LIST)
+                .bind(status)
+                .bind(parked)
+                .bind(filter.saga_name.as_deref())
+                .bind(i64::from(filter.limit))
+                .fetch_all(self.pool())
+                .await?;
+            rows.iter().map(from_row).collect()
+        }
+    };
+}
+
+/// Binds an instance's columns to an insert, in the order the inserts name them.
+macro_rules! bind_instance {
+    ($query:expr, $instance:expr) => {
+        $query
+            .bind(&$instance.id)
+            .bind(&$instance.saga_name)
+            .bind($instance.status.as_str())
+            .bind($instance.current_step)
+            .bind($instance.attempts)
+            .bind(Json(&$instance.data))
+            .bind($instance.created_at)
+            .bind($instance.updated_at)
+            .bind(&$instance.last_error)
+            .bind(definition_version($instance))
+            .bind(&$instance.parked)
+            .bind($instance.deadline_at)
+    };
+}
+
+#[cfg(feature = "postgres")]
+impl crate::PostgresStore {
+    const LIST: &'static str = pg::LIST;
+}
+
+#[cfg(feature = "postgres")]
+impl SagaStore for crate::PostgresStore {
+    type SagaDb = sqlx::Postgres;
+
+    async fn insert(
+        conn: &mut sqlx::PgConnection,
+        instance: &SagaInstance,
+    ) -> Result<(), sqlx::Error> {
+        bind_instance!(sqlx::query(pg::INSERT), instance)
+            .execute(&mut *conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn create_if_absent(&self, instance: &SagaInstance) -> Result<Started, sqlx::Error> {
+        for _ in 0..CREATE_ATTEMPTS {
+            let inserted = bind_instance!(sqlx::query(pg::INSERT_IF_ABSENT), instance)
+                .execute(self.pool())
+                .await?
+                .rows_affected()
+                == 1;
+            if let Some(started) = started(self, instance, inserted).await? {
+                return Ok(started);
+            }
+        }
+        Err(sqlx::Error::RowNotFound)
+    }
+
+    async fn save(
+        &self,
+        instance: &mut SagaInstance,
+        events: &[SagaEvent],
+    ) -> Result<bool, sqlx::Error> {
+        let sql = if events.is_empty() {
+            pg::UPDATE
+        } else {
+            pg::SAVE
+        };
+        let written = sqlx::query(sql)
+            .bind(&instance.id)
+            .bind(instance.status.as_str())
+            .bind(instance.current_step)
+            .bind(instance.attempts)
+            .bind(Json(&instance.data))
+            .bind(instance.updated_at)
+            .bind(&instance.last_error)
+            .bind(instance.version)
+            .bind(&instance.parked)
+            .bind(instance.deadline_at)
+            .bind(Json(history::rows(events)))
+            .execute(self.pool())
+            .await?
+            .rows_affected();
+        let saved = written > 0;
+        if saved {
+            instance.version += 1;
+        }
+        Ok(saved)
+    }
+
+    common_methods!(sqlx::Postgres);
+}
+
+#[cfg(feature = "sqlite")]
+impl crate::SqliteStore {
+    const LIST: &'static str = lite::LIST;
+}
+
+#[cfg(feature = "sqlite")]
+impl SagaStore for crate::SqliteStore {
+    type SagaDb = sqlx::Sqlite;
+
+    async fn insert(
+        conn: &mut sqlx::SqliteConnection,
+        instance: &SagaInstance,
+    ) -> Result<(), sqlx::Error> {
+        use sqlx::Connection;
+        // A savepoint inside the caller's transaction, a transaction of its own otherwise.
+        let mut tx = conn.begin().await?;
+        bind_instance!(sqlx::query(lite::INSERT), instance)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(lite::STARTED)
+            .bind(&instance.id)
+            .bind(instance.created_at)
+            .bind(instance.updated_at)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await
+    }
+
+    async fn create_if_absent(&self, instance: &SagaInstance) -> Result<Started, sqlx::Error> {
+        for _ in 0..CREATE_ATTEMPTS {
+            let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
+            let inserted = bind_instance!(sqlx::query(lite::INSERT_IF_ABSENT), instance)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected()
+                == 1;
+            if inserted {
+                sqlx::query(lite::STARTED)
+                    .bind(&instance.id)
+                    .bind(instance.created_at)
+                    .bind(instance.updated_at)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            tx.commit().await?;
+            if let Some(started) = started(self, instance, inserted).await? {
+                return Ok(started);
+            }
+        }
+        Err(sqlx::Error::RowNotFound)
+    }
+
+    async fn save(
+        &self,
+        instance: &mut SagaInstance,
+        events: &[SagaEvent],
+    ) -> Result<bool, sqlx::Error> {
+        let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
+        let version: Option<i64> = sqlx::query_scalar(lite::UPDATE)
+            .bind(&instance.id)
+            .bind(instance.status.as_str())
+            .bind(instance.current_step)
+            .bind(instance.attempts)
+            .bind(Json(&instance.data))
+            .bind(instance.updated_at)
+            .bind(&instance.last_error)
+            .bind(instance.version)
+            .bind(&instance.parked)
+            .bind(instance.deadline_at)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(version) = version else {
+            return Ok(false);
+        };
+        if !events.is_empty() {
+            sqlx::query(lite::EVENTS)
+                .bind(&instance.id)
+                .bind(instance.created_at)
+                .bind(version)
+                .bind(Json(history::rows(events)))
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        instance.version = version;
+        Ok(true)
+    }
+
+    common_methods!(sqlx::Sqlite);
+}
+
+/// The saga `instance` started: itself when `inserted`, else the stored one read back
+/// (`None` when it was deleted since, so the caller inserts again).
+async fn started<S: SagaStore>(
+    store: &S,
+    instance: &SagaInstance,
+    inserted: bool,
+) -> Result<Option<Started>, sqlx::Error> {
+    if inserted {
+        return Ok(Some(Started {
+            saga: SagaInstance {
+                version: 0,
+                ..instance.clone()
+            },
+            created: true,
+        }));
+    }
+    // The conflicting row committed before `DO NOTHING` decided, so a new statement sees
+    // it — unless it was deleted since.
+    Ok(store.load(&instance.id).await?.map(|saga| Started {
+        saga,
+        created: false,
+    }))
+}
