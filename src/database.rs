@@ -245,6 +245,31 @@ pub async fn migrate(url: &str, config: InboxConfig) -> Result<Vec<Month>, Inbox
 /// The database must exist and be migrated ([`InboxError::NotMigrated`] otherwise): a
 /// pass never creates an SQLite file, nor partitions of tables that are not there.
 pub async fn prune(url: &str, config: InboxConfig, dry_run: bool) -> Result<PrunePass, InboxError> {
+    match open_migrated(url, 2).await? {
+        #[cfg(feature = "postgres")]
+        Opened::Postgres(store) => InboxGuard::new(store, config)?.run_pass(dry_run).await,
+        #[cfg(feature = "sqlite")]
+        Opened::Sqlite(store) => InboxGuard::new(store, config)?.run_pass(dry_run).await,
+    }
+}
+
+/// A store opened by [`open_migrated`]: the backend its URL names.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Opened {
+    /// A PostgreSQL database.
+    #[cfg(feature = "postgres")]
+    Postgres(crate::PostgresStore),
+    /// An SQLite file.
+    #[cfg(feature = "sqlite")]
+    Sqlite(crate::SqliteStore),
+}
+
+/// Opens the database at `url`, with up to `connections` connections, for a command that
+/// works on what is there (pruning, operator commands): it never creates an SQLite file,
+/// and refuses a database without this version's migrations
+/// ([`InboxError::NotMigrated`], which says to run `sagabox migrate`).
+pub async fn open_migrated(url: &str, connections: u32) -> Result<Opened, InboxError> {
     let not_migrated = |what: String| InboxError::NotMigrated {
         url: redact(url),
         what,
@@ -252,26 +277,26 @@ pub async fn prune(url: &str, config: InboxConfig, dry_run: bool) -> Result<Prun
     match Backend::of(url)? {
         #[cfg(feature = "postgres")]
         Backend::Postgres => {
-            let store = crate::PostgresStore::connect(url, 2).await?;
+            let store = crate::PostgresStore::connect(url, connections).await?;
             let mut conn = store.pool().acquire().await?;
             if let Some(what) = unapplied_postgres(&mut conn).await? {
                 return Err(not_migrated(what));
             }
             drop(conn);
-            InboxGuard::new(store, config)?.run_pass(dry_run).await
+            Ok(Opened::Postgres(store))
         }
         #[cfg(feature = "sqlite")]
         Backend::Sqlite => {
             if let Some(what) = missing_sqlite_file(url)? {
                 return Err(not_migrated(what));
             }
-            let store = crate::SqliteStore::connect(url, 2).await?;
+            let store = crate::SqliteStore::connect(url, connections).await?;
             let mut conn = store.pool().acquire().await?;
             if let Some(what) = unapplied_sqlite(&mut conn).await? {
                 return Err(not_migrated(what));
             }
             drop(conn);
-            InboxGuard::new(store, config)?.run_pass(dry_run).await
+            Ok(Opened::Sqlite(store))
         }
         #[allow(unreachable_patterns)]
         _ => Err(InboxError::UnsupportedUrl(redact(url))),

@@ -175,9 +175,10 @@ pub struct SagaRow {
 /// Sagas by status.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SagaReport {
-    /// Instances per status (`running`, `compensating`, `completed`, `compensated`).
+    /// Instances per status (`running`, `compensating`, `completed`, `compensated`),
+    /// parked ones counted apart under `parked`.
     pub by_status: BTreeMap<String, i64>,
-    /// The unfinished instance created first.
+    /// The unfinished instance created first, parked ones left out.
     pub oldest_unfinished: Option<SagaRow>,
 }
 
@@ -353,6 +354,15 @@ fn assess(
             saga.current_step,
             saga.attempts,
             saga.last_error.as_deref().unwrap_or("none")
+        ));
+    }
+    if let Some(&parked) = facts.sagas_by_status.get("parked")
+        && parked > 0
+    {
+        warnings.push(format!(
+            "{parked} saga(s) parked, waiting for an operator: list them with `sagabox saga list \
+             --status parked`, then retry or cancel each; see \"a saga is stuck or parked\" in \
+             docs/operations.md"
         ));
     }
     if let Some(at) = facts.oldest_pending_at
@@ -550,12 +560,19 @@ impl fmt::Display for InspectReport {
         )?;
 
         writeln!(f, "\nsagas")?;
-        for status in ["running", "compensating", "completed", "compensated"] {
+        const STATES: [&str; 5] = [
+            "running",
+            "compensating",
+            "completed",
+            "compensated",
+            "parked",
+        ];
+        for status in STATES {
             let count = self.sagas.by_status.get(status).copied().unwrap_or(0);
             writeln!(f, "  {status:<20} {count}")?;
         }
         for (status, count) in &self.sagas.by_status {
-            if !["running", "compensating", "completed", "compensated"].contains(&status.as_str()) {
+            if !STATES.contains(&status.as_str()) {
                 writeln!(f, "  {status:<20} {count}")?;
             }
         }

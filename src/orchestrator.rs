@@ -445,6 +445,18 @@ struct Driver<St, D> {
     clock: Arc<dyn Clock>,
 }
 
+/// A saga's status and step: where it stands.
+type Position = (SagaStatus, i32);
+
+/// Whether parking a saga renews its step's command id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Renew {
+    /// The inbox answered the command for good: the next one gets a new id.
+    Command,
+    /// The command may have applied, or was never sent: it keeps its id.
+    Nothing,
+}
+
 /// How long to wait before trying a failed store operation again.
 const STORE_RETRY: Duration = Duration::from_millis(200);
 
@@ -495,13 +507,19 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                 tracing::info!(saga_id = %saga.id, %reason, "saga is parked; an operator retries or cancels it");
                 return;
             }
+            // Where the saga stands before this turn: a save that moves it elsewhere starts
+            // the new step's command at round 0 again (see `SagaInstance::command_round`).
+            let position = (saga.status, saga.current_step);
             let Some(definition) = self.definition_of(&mut saga).await else {
                 return;
             };
             let steps = definition.steps();
             let now = self.clock.now();
             if saga.status == SagaStatus::Running && saga.deadline_at.is_some_and(|at| at <= now) {
-                if !self.deadline_passed(&mut saga, &definition, now).await {
+                if !self
+                    .deadline_passed(&mut saga, position, &definition, now)
+                    .await
+                {
                     return;
                 }
                 continue;
@@ -514,7 +532,11 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                 (SagaStatus::Running, _) => {
                     saga.status = SagaStatus::Completed;
                     if !self
-                        .save(&mut saga, vec![SagaEvent::new(EventKind::Completed, now)])
+                        .save(
+                            &mut saga,
+                            position,
+                            vec![SagaEvent::new(EventKind::Completed, now)],
+                        )
                         .await
                     {
                         return;
@@ -530,7 +552,11 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                 _ => {
                     saga.status = SagaStatus::Compensated;
                     if !self
-                        .save(&mut saga, vec![SagaEvent::new(EventKind::Compensated, now)])
+                        .save(
+                            &mut saga,
+                            position,
+                            vec![SagaEvent::new(EventKind::Compensated, now)],
+                        )
                         .await
                     {
                         return;
@@ -552,7 +578,7 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                         saga.attempts = 0;
                         let skipped = SagaEvent::new(EventKind::Skipped, now)
                             .step(step.name(), Direction::Backward);
-                        if !self.save(&mut saga, vec![skipped]).await {
+                        if !self.save(&mut saga, position, vec![skipped]).await {
                             return;
                         }
                         continue;
@@ -643,7 +669,8 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                             // it compensated.
                             let why = format!("undo {} refused: {reason}", step.name());
                             tracing::error!(saga_id = %saga.id, step = step.name(), %reason, "compensation refused; saga parked");
-                            self.park(&mut saga, events, why, at).await;
+                            self.park(&mut saga, position, events, why, at, Renew::Command)
+                                .await;
                             return;
                         }
                         (Direction::Backward, StepOutcome::Done(_)) => {
@@ -651,7 +678,7 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                         }
                     }
                     saga.attempts = 0;
-                    if !self.save(&mut saga, events).await {
+                    if !self.save(&mut saga, position, events).await {
                         return;
                     }
                 }
@@ -671,11 +698,11 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                         saga.status = SagaStatus::Compensating;
                         saga.attempts = 0;
                         events.push(SagaEvent::new(EventKind::Compensating, at));
-                        if !self.save(&mut saga, events).await {
+                        if !self.save(&mut saga, position, events).await {
                             return;
                         }
                     } else {
-                        if !self.save(&mut saga, events).await {
+                        if !self.save(&mut saga, position, events).await {
                             return;
                         }
                         tokio::time::sleep(step.retry().delay(attempts, &mut rng)).await;
@@ -686,14 +713,15 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                     // operator, with its reason.
                     let why = format!("undo {}: {reason}", step.name());
                     tracing::error!(saga_id = %saga.id, step = step.name(), %reason, "compensation rejected; saga parked");
-                    self.park(&mut saga, events, why, at).await;
+                    self.park(&mut saga, position, events, why, at, Renew::Command)
+                        .await;
                     return;
                 }
                 (Direction::Backward, Err(failure)) => {
                     // Compensations run until they succeed.
                     let attempts = u32::try_from(saga.attempts).unwrap_or(u32::MAX);
                     saga.last_error = Some(format!("undo {}: {failure}", step.name()));
-                    if !self.save(&mut saga, events).await {
+                    if !self.save(&mut saga, position, events).await {
                         return;
                     }
                     tokio::time::sleep(step.retry().delay(attempts, &mut rng)).await;
@@ -719,7 +747,16 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                 Err(error) => {
                     tracing::error!(saga_id = %saga.id, %error, "saga parked");
                     let now = self.clock.now();
-                    self.park(saga, Vec::new(), error.to_string(), now).await;
+                    let position = (saga.status, saga.current_step);
+                    self.park(
+                        saga,
+                        position,
+                        Vec::new(),
+                        error.to_string(),
+                        now,
+                        Renew::Nothing,
+                    )
+                    .await;
                     return None;
                 }
             }
@@ -732,6 +769,7 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
     async fn deadline_passed(
         &self,
         saga: &mut SagaInstance,
+        position: Position,
         definition: &SagaDefinition,
         now: chrono::DateTime<Utc>,
     ) -> bool {
@@ -747,7 +785,8 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                  forward; retry it to let it finish",
                 step.name()
             );
-            self.park(saga, vec![passed], why, now).await;
+            self.park(saga, position, vec![passed], why, now, Renew::Nothing)
+                .await;
             return false;
         }
         metrics::saga_compensation(definition.name(), CompensationTrigger::Deadline);
@@ -757,25 +796,35 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
         saga.last_error = Some("deadline passed".to_owned());
         self.save(
             saga,
+            position,
             vec![passed, SagaEvent::new(EventKind::Compensating, now)],
         )
         .await
     }
 
-    /// Parks `saga` with `reason`, after `events`: it waits for an operator.
+    /// Parks `saga` with `reason`, after `events`: it waits for an operator. With
+    /// [`Renew::Command`] (the step's inbox answered the command for good: refused or
+    /// rejected, nothing applied), the step's next command gets a new id, so that once
+    /// an operator has fixed the cause and retried the saga, the inbox does not answer
+    /// with the recorded refusal again.
     async fn park(
         &self,
         saga: &mut SagaInstance,
+        position: Position,
         mut events: Vec<SagaEvent>,
         reason: String,
         at: chrono::DateTime<Utc>,
+        renew: Renew,
     ) {
         metrics::saga_parked(&saga.saga_name);
         events.push(SagaEvent::new(EventKind::Parked, at).detail(reason.clone()));
         saga.last_error = Some(reason.clone());
         saga.parked = Some(reason);
         saga.attempts = 0;
-        self.save(saga, events).await;
+        if renew == Renew::Command {
+            saga.command_round += 1;
+        }
+        self.save(saga, position, events).await;
     }
 
     /// Records a saga that reached its terminal state (saved).
@@ -804,8 +853,11 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
     /// in between, nothing is written and `saga` is reloaded: the driver goes on from the
     /// stored state, never from its stale copy. Returns `false` when the row is gone: the
     /// driver must stop.
-    async fn save(&self, saga: &mut SagaInstance, events: Vec<SagaEvent>) -> bool {
+    async fn save(&self, saga: &mut SagaInstance, from: Position, events: Vec<SagaEvent>) -> bool {
         saga.updated_at = self.clock.now();
+        if (saga.status, saga.current_step) != from {
+            saga.command_round = 0;
+        }
         loop {
             match self.store.save(saga, &events).await {
                 Ok(true) => return true,

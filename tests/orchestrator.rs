@@ -364,7 +364,7 @@ macro_rules! orchestrator_suite {
                 let applied = SagaEvent::new(EventKind::Applied, Utc::now())
                     .step("first", Direction::Forward)
                     .attempt(1);
-                assert!(store.save(&mut first, &[applied.clone()]).await.unwrap());
+                assert!(store.save(&mut first, std::slice::from_ref(&applied)).await.unwrap());
                 stale.current_step = 1;
                 let stale_event = SagaEvent::new(EventKind::Refused, Utc::now()).detail("stale");
                 assert!(!store.save(&mut stale, &[stale_event]).await.unwrap(), "stale copy refused");

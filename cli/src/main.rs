@@ -1,4 +1,5 @@
-//! The `sagabox` command line: `demo`, `serve`, `migrate`, `prune`, `inspect`, `bench`.
+//! The `sagabox` command line: `demo`, `serve`, `orchestrate`, `migrate`, `prune`,
+//! `inspect`, `saga`, `bench`.
 //!
 //! Exit status: 0 done; 1 the run failed (the cause on stderr, and with `--json` also as
 //! `{"error": "…"}` on stdout); 2 a usage error (clap's, or a value refused after
@@ -6,6 +7,7 @@
 
 mod bench;
 mod orchestrate;
+mod saga;
 
 use std::fmt::Display;
 use std::process::ExitCode;
@@ -211,6 +213,13 @@ enum Command {
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
+    },
+    /// List sagas, show one's timeline, retry or cancel a stuck one (safe while
+    /// orchestrators run).
+    #[command(after_help = EXIT_STATUS)]
+    Saga {
+        #[command(subcommand)]
+        command: saga::SagaCommand,
     },
     /// Run the migrations and create the current and upcoming inbox partitions.
     #[command(allow_negative_numbers = true, after_help = EXIT_STATUS)]
@@ -438,6 +447,7 @@ async fn main() -> ExitCode {
         Command::Prune { database_url, .. } => ("prune", database_url),
         Command::Inspect { database_url, .. } => ("inspect", database_url),
         Command::Bench { database_url, .. } => ("bench", database_url),
+        Command::Saga { command } => ("saga", command.database_url()),
     };
     if let Err(error) = args::database_url(url) {
         usage_error(name, format_args!("--database-url: {error}"));
@@ -674,6 +684,11 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                 prune_rows,
             };
             report("bench", bench::run(args).await, json)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Saga { command } => {
+            let json = command.json();
+            report("saga", saga::run(command).await, json)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Migrate {

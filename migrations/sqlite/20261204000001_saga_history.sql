@@ -5,10 +5,13 @@
 -- The definition version a saga runs on (`version` in its TOML; sagas started before
 -- versions existed ran on version 1). Parked: why the saga waits for an operator
 -- (`sagabox saga retry` / `cancel`); NULL when it is not parked. Deadline: past it, a
--- running saga is compensated (or parked); NULL when its definition has none.
+-- running saga is compensated (or parked); NULL when its definition has none. Command
+-- round: raised when a saga is parked on a step's final answer (refused, rejected), so
+-- that the step's next command is a new message; 0 again once the saga moves on.
 ALTER TABLE saga_instances ADD COLUMN definition_version INTEGER NOT NULL DEFAULT 1;
 ALTER TABLE saga_instances ADD COLUMN parked_reason TEXT;
 ALTER TABLE saga_instances ADD COLUMN deadline_at TEXT;
+ALTER TABLE saga_instances ADD COLUMN command_round INTEGER NOT NULL DEFAULT 0;
 
 -- Resume passes skip parked sagas: an orchestrator leaves them to an operator.
 DROP INDEX saga_instances_unfinished;

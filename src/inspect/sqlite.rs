@@ -95,20 +95,23 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
             .map_err(&failed)?;
     facts.pruned_through = pruned.and_then(|text| text.parse().ok());
 
-    let statuses = sqlx::query("SELECT status, COUNT(*) AS n FROM saga_instances GROUP BY status")
-        .fetch_all(&mut *tx)
-        .await
-        .map_err(&failed)?;
+    let statuses = sqlx::query(
+        "SELECT CASE WHEN parked_reason IS NULL THEN status ELSE 'parked' END AS state, \
+                COUNT(*) AS n FROM saga_instances GROUP BY 1",
+    )
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(&failed)?;
     for row in statuses {
         facts.sagas_by_status.insert(
-            row.try_get("status").map_err(&failed)?,
+            row.try_get("state").map_err(&failed)?,
             row.try_get("n").map_err(&failed)?,
         );
     }
     // Timestamps are RFC 3339 text in UTC, which sorts in time order.
     let oldest = sqlx::query(
         "SELECT id, saga_name, status, current_step, attempts, created_at, updated_at, last_error \
-         FROM saga_instances WHERE status IN ('running', 'compensating') \
+         FROM saga_instances WHERE status IN ('running', 'compensating') AND parked_reason IS NULL \
          ORDER BY created_at LIMIT 1",
     )
     .fetch_optional(&mut *tx)

@@ -174,6 +174,12 @@ pub struct SagaInstance {
     pub parked: Option<String>,
     /// When a saga still running is compensated instead ([`SagaDefinition::deadline`]).
     pub deadline_at: Option<DateTime<Utc>>,
+    /// How many times the command of the step the saga is at was renewed: 0 normally;
+    /// raised when the saga was parked because the step's inbox answered for good
+    /// (refused or rejected, nothing applied), so that its next command, after an
+    /// operator's retry, is a new message rather than the one the inbox answered. Back
+    /// to 0 whenever the saga moves to another step or direction.
+    pub command_round: u32,
 }
 
 impl SagaInstance {
@@ -199,6 +205,7 @@ impl SagaInstance {
             definition_version: 1,
             parked: None,
             deadline_at: None,
+            command_round: 0,
         }
     }
 
@@ -315,16 +322,21 @@ impl SagaInstance {
     ///
     /// Versions after the first add theirs to the name, so that step 1 of version 2 is
     /// not the same message as step 1 of version 1 (their steps may differ); version 1
-    /// keeps the ids sagas had before versions existed.
+    /// keeps the ids sagas had before versions existed. A renewed command
+    /// ([`command_round`](Self::command_round) above 0) adds its round: it applies to the
+    /// step the saga is at, whose id this is.
     pub fn command_id(&self, step: usize, direction: Direction) -> MessageId {
         let direction = match direction {
             Direction::Forward => "do",
             Direction::Backward => "undo",
         };
-        let name = match self.definition_version {
+        let mut name = match self.definition_version {
             1 => format!("{}\u{1f}{step}\u{1f}{direction}", self.id),
             version => format!("{}\u{1f}v{version}\u{1f}{step}\u{1f}{direction}", self.id),
         };
+        if self.command_round > 0 {
+            name.push_str(&format!("\u{1f}r{}", self.command_round));
+        }
         MessageId::derive_v7(self.created_at, &name)
     }
 }

@@ -14,7 +14,7 @@
 
 use chrono::{DateTime, Utc};
 
-use crate::saga::versions::{Definitions, VersionError};
+use crate::saga::versions::{VersionError, stored_definition};
 use crate::saga::{EventKind, SagaDefinition, SagaEvent, SagaInstance, SagaStatus, SagaStore};
 
 /// How many times an action is made again after a driver saved first.
@@ -111,7 +111,6 @@ pub async fn retry<St: SagaStore>(
 /// `note` (who and why) is recorded in the history. Returns the saga as saved.
 pub async fn cancel<St: SagaStore>(
     store: &St,
-    definitions: &Definitions,
     id: &str,
     note: &str,
     now: DateTime<Utc>,
@@ -119,7 +118,7 @@ pub async fn cancel<St: SagaStore>(
     let Some(saga) = store.load(id).await? else {
         return Err(OperatorError::NotFound(id.to_owned()));
     };
-    let definition = definitions.version(store, saga.definition_version).await?;
+    let definition = stored_definition(store, &saga.saga_name, saga.definition_version).await?;
     act(store, id, |saga| {
         if saga.status.is_terminal() {
             return Err(finished(saga));

@@ -151,7 +151,7 @@ pub trait SagaStore: Clone + Send + Sync + 'static {
 /// was deleted before it could read it back.
 const CREATE_ATTEMPTS: usize = 3;
 const SELECT: &str = "SELECT id, saga_name, status, current_step, attempts, data, created_at, \
-    updated_at, last_error, version, definition_version, parked_reason, deadline_at \
+    updated_at, last_error, version, definition_version, parked_reason, deadline_at, command_round \
     FROM saga_instances WHERE id = $1";
 const UNFINISHED: &str = "SELECT id FROM saga_instances WHERE saga_name = $1 \
     AND status IN ('running', 'compensating') AND parked_reason IS NULL ORDER BY created_at, id";
@@ -171,36 +171,36 @@ mod pg {
     /// Inserts the saga and its `started` event in one statement.
     pub(super) const INSERT: &str = "WITH saga AS (INSERT INTO saga_instances \
         (id, saga_name, status, current_step, attempts, data, created_at, updated_at, \
-         last_error, definition_version, parked_reason, deadline_at) \
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) RETURNING id, created_at) \
+         last_error, definition_version, parked_reason, deadline_at, command_round) \
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) RETURNING id, created_at) \
         INSERT INTO sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind) \
         SELECT id, created_at, 0, 0, $8, 'started' FROM saga";
     /// [`INSERT`], unless a saga with the id is stored: then neither row is written.
     pub(super) const INSERT_IF_ABSENT: &str = "WITH saga AS (INSERT INTO saga_instances \
         (id, saga_name, status, current_step, attempts, data, created_at, updated_at, \
-         last_error, definition_version, parked_reason, deadline_at) \
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
+         last_error, definition_version, parked_reason, deadline_at, command_round) \
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
         ON CONFLICT (id) DO NOTHING RETURNING id, created_at) \
         INSERT INTO sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind) \
         SELECT id, created_at, 0, 0, $8, 'started' FROM saga";
     /// Saves the state alone, for a save without events.
     pub(super) const UPDATE: &str = "UPDATE saga_instances SET status = $2, current_step = $3, \
         attempts = $4, data = $5, updated_at = $6, last_error = $7, parked_reason = $9, \
-        deadline_at = $10, version = version + 1 WHERE id = $1 AND version = $8";
+        deadline_at = $10, command_round = $11, version = version + 1 WHERE id = $1 AND version = $8";
     /// Saves the state and its events in one statement: no event row without the state's
     /// update, which the version fence may refuse.
     pub(super) const SAVE: &str = "WITH saga AS (UPDATE saga_instances SET status = $2, \
         current_step = $3, attempts = $4, data = $5, updated_at = $6, last_error = $7, \
-        parked_reason = $9, deadline_at = $10, version = version + 1 \
+        parked_reason = $9, deadline_at = $10, command_round = $11, version = version + 1 \
         WHERE id = $1 AND version = $8 RETURNING id, created_at, version) \
         INSERT INTO sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind, \
             step, direction, attempt, duration_ms, detail) \
         SELECT saga.id, saga.created_at, saga.version, e.ordinal, e.at, e.kind, e.step, \
             e.direction, e.attempt, e.duration_ms, e.detail \
-        FROM saga CROSS JOIN jsonb_to_recordset($11) AS e(ordinal integer, at timestamptz, \
+        FROM saga CROSS JOIN jsonb_to_recordset($12) AS e(ordinal integer, at timestamptz, \
             kind text, step text, direction text, attempt integer, duration_ms bigint, detail text)";
     pub(super) const LIST: &str = "SELECT id, saga_name, status, current_step, attempts, data, \
-        created_at, updated_at, last_error, version, definition_version, parked_reason, deadline_at \
+        created_at, updated_at, last_error, version, definition_version, parked_reason, deadline_at, command_round \
         FROM saga_instances \
         WHERE ($1::text IS NULL OR status = $1) \
           AND ($2::boolean IS NULL OR (parked_reason IS NOT NULL) = $2) \
@@ -213,17 +213,17 @@ mod pg {
 mod lite {
     pub(super) const INSERT: &str = "INSERT INTO saga_instances \
         (id, saga_name, status, current_step, attempts, data, created_at, updated_at, \
-         last_error, definition_version, parked_reason, deadline_at) \
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
+         last_error, definition_version, parked_reason, deadline_at, command_round) \
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
     pub(super) const INSERT_IF_ABSENT: &str = "INSERT INTO saga_instances \
         (id, saga_name, status, current_step, attempts, data, created_at, updated_at, \
-         last_error, definition_version, parked_reason, deadline_at) \
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT (id) DO NOTHING";
+         last_error, definition_version, parked_reason, deadline_at, command_round) \
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT (id) DO NOTHING";
     pub(super) const STARTED: &str = "INSERT INTO sagabox_saga_events \
         (saga_id, saga_created_at, version, ordinal, at, kind) VALUES ($1, $2, 0, 0, $3, 'started')";
     pub(super) const UPDATE: &str = "UPDATE saga_instances SET status = $2, current_step = $3, \
         attempts = $4, data = $5, updated_at = $6, last_error = $7, parked_reason = $9, \
-        deadline_at = $10, version = version + 1 WHERE id = $1 AND version = $8 RETURNING version";
+        deadline_at = $10, command_round = $11, version = version + 1 WHERE id = $1 AND version = $8 RETURNING version";
     pub(super) const EVENTS: &str = "INSERT INTO sagabox_saga_events (saga_id, saga_created_at, \
         version, ordinal, at, kind, step, direction, attempt, duration_ms, detail) \
         SELECT $1, $2, $3, json_extract(value, '$.ordinal'), json_extract(value, '$.at'), \
@@ -232,7 +232,7 @@ mod lite {
             json_extract(value, '$.duration_ms'), json_extract(value, '$.detail') \
         FROM json_each($4)";
     pub(super) const LIST: &str = "SELECT id, saga_name, status, current_step, attempts, data, \
-        created_at, updated_at, last_error, version, definition_version, parked_reason, deadline_at \
+        created_at, updated_at, last_error, version, definition_version, parked_reason, deadline_at, command_round \
         FROM saga_instances \
         WHERE ($1 IS NULL OR status = $1) \
           AND ($2 IS NULL OR (parked_reason IS NOT NULL) = $2) \
@@ -253,6 +253,7 @@ where
 {
     let status: String = row.try_get("status")?;
     let definition_version: i32 = row.try_get("definition_version")?;
+    let command_round: i32 = row.try_get("command_round")?;
     Ok(SagaInstance {
         id: row.try_get("id")?,
         saga_name: row.try_get("saga_name")?,
@@ -270,6 +271,8 @@ where
             .map_err(|error| sqlx::Error::Decode(Box::new(error)))?,
         parked: row.try_get("parked_reason")?,
         deadline_at: row.try_get("deadline_at")?,
+        command_round: u32::try_from(command_round)
+            .map_err(|error| sqlx::Error::Decode(Box::new(error)))?,
     })
 }
 
@@ -319,6 +322,10 @@ fn state_params(filter: &SagaFilter) -> (Option<&'static str>, Option<bool>) {
 
 fn definition_version(instance: &SagaInstance) -> i32 {
     i32::try_from(instance.definition_version).unwrap_or(i32::MAX)
+}
+
+fn command_round(instance: &SagaInstance) -> i32 {
+    i32::try_from(instance.command_round).unwrap_or(i32::MAX)
 }
 
 macro_rules! common_methods {
@@ -414,6 +421,7 @@ macro_rules! bind_instance {
             .bind(definition_version($instance))
             .bind(&$instance.parked)
             .bind($instance.deadline_at)
+            .bind(command_round($instance))
     };
 }
 
@@ -460,7 +468,7 @@ impl SagaStore for crate::PostgresStore {
         } else {
             pg::SAVE
         };
-        let written = sqlx::query(sql)
+        let query = sqlx::query(sql)
             .bind(&instance.id)
             .bind(instance.status.as_str())
             .bind(instance.current_step)
@@ -471,10 +479,13 @@ impl SagaStore for crate::PostgresStore {
             .bind(instance.version)
             .bind(&instance.parked)
             .bind(instance.deadline_at)
-            .bind(Json(history::rows(events)))
-            .execute(self.pool())
-            .await?
-            .rows_affected();
+            .bind(command_round(instance));
+        let query = if events.is_empty() {
+            query
+        } else {
+            query.bind(Json(history::rows(events)))
+        };
+        let written = query.execute(self.pool()).await?.rows_affected();
         let saved = written > 0;
         if saved {
             instance.version += 1;
@@ -554,6 +565,7 @@ impl SagaStore for crate::SqliteStore {
             .bind(instance.version)
             .bind(&instance.parked)
             .bind(instance.deadline_at)
+            .bind(command_round(instance))
             .fetch_optional(&mut *tx)
             .await?;
         let Some(version) = version else {

@@ -119,3 +119,24 @@ impl Definitions {
         self.others.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
+
+/// Version `version` of saga `name`'s definition, as the orchestrator that ran it stored
+/// it.
+pub async fn stored_definition<St: SagaStore>(
+    store: &St,
+    name: &str,
+    version: u32,
+) -> Result<SagaDefinition, VersionError> {
+    let text = store
+        .stored_definition(name, version)
+        .await?
+        .ok_or_else(|| VersionError::Unknown {
+            name: name.to_owned(),
+            version,
+        })?;
+    SagaDefinition::from_toml_str(&text).map_err(|source| VersionError::Invalid {
+        name: name.to_owned(),
+        version,
+        source,
+    })
+}
