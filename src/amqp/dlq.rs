@@ -104,7 +104,7 @@ pub enum DlqError {
         /// Messages republished, confirmed and acked before the failure.
         replayed: usize,
         /// The failure.
-        source: AmqpError,
+        source: Box<AmqpError>,
     },
 }
 
@@ -353,7 +353,7 @@ impl DeadLetterQueue {
                     queue: self.dead.clone(),
                     source_queue: self.source.clone(),
                     replayed: replayed.len(),
-                    source,
+                    source: Box::new(source),
                 });
             }
             Err(source) => return Err(source.into()),
