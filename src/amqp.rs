@@ -11,6 +11,8 @@
 //!   start messages on `<prefix>.<saga>.start`, resumed after a crash.
 //! - [`Batching`] and [`serve_step_batched`]: the deliveries a consumer holds at once,
 //!   claimed as one batch ([`InboxGuard::process_batch`](crate::InboxGuard::process_batch)).
+//! - [`DeadLetterQueue`]: an operator's view of `<queue>.dead` — list the dead letters
+//!   without taking them, replay them to their source queue under their own message id.
 //! - [`codec`]: the envelope on the wire; [`AmqpConfig`]: queues, prefetch, backoff.
 //!
 //! Queues are `<prefix>.<consumer_type>` (durable) with `<prefix>.<consumer_type>.dead`
@@ -22,6 +24,7 @@ pub mod codec;
 mod config;
 mod consumer;
 mod dispatch;
+mod dlq;
 mod orchestrate;
 mod relay;
 
@@ -33,6 +36,10 @@ pub use consumer::{
     DEAD_REASON_HEADER, DeliveryHandler, Disposition,
 };
 pub use dispatch::{AmqpDispatch, REPLY_KIND, reply_envelope, serve_step, serve_step_batched};
+pub use dlq::{
+    DEAD_SUFFIX, DeadLetter, DeadLetterList, DeadLetterQueue, DlqError, REPLAYED_HEADER,
+    ReplayOptions, ReplayReport, queue_names,
+};
 pub use orchestrate::{
     ORCHESTRATOR_CONSUMER, OrchestrateConfig, OrchestrateError, STARTED_KIND, orchestrate,
     start_queue,

@@ -132,6 +132,30 @@ impl fmt::Display for DeadReason {
     }
 }
 
+/// A reason code that is not one of [`DeadReason::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown dead-letter reason {0:?}; the reasons are {list}", list = DeadReason::codes())]
+pub struct UnknownDeadReason(pub String);
+
+impl DeadReason {
+    /// Every code, comma-separated, for messages that list what is accepted.
+    fn codes() -> String {
+        DeadReason::ALL.map(DeadReason::as_str).join(", ")
+    }
+}
+
+impl std::str::FromStr for DeadReason {
+    type Err = UnknownDeadReason;
+
+    /// Parses a code as [`DeadReason::as_str`] writes it.
+    fn from_str(code: &str) -> Result<Self, Self::Err> {
+        DeadReason::ALL
+            .into_iter()
+            .find(|reason| reason.as_str() == code)
+            .ok_or_else(|| UnknownDeadReason(code.to_owned()))
+    }
+}
+
 /// The `outcome` of a message through the guard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum MessageOutcome {
@@ -607,6 +631,15 @@ pub fn build_info() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_dead_reason_parses_back_from_its_code() {
+        for reason in DeadReason::ALL {
+            assert_eq!(reason.as_str().parse::<DeadReason>(), Ok(reason));
+        }
+        let error = "oops".parse::<DeadReason>().unwrap_err();
+        assert!(error.to_string().contains("retries_exhausted"), "{error}");
+    }
 
     #[test]
     fn catalogue_names_are_unique_and_prefixed() {

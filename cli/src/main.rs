@@ -1,11 +1,12 @@
 //! The `sagabox` command line: `demo`, `serve`, `orchestrate`, `migrate`, `prune`,
-//! `inspect`, `saga`, `bench`.
+//! `inspect`, `saga`, `dlq`, `bench`.
 //!
 //! Exit status: 0 done; 1 the run failed (the cause on stderr, and with `--json` also as
 //! `{"error": "…"}` on stdout); 2 a usage error (clap's, or a value refused after
 //! parsing, with the same shape); 3 `demo` ran and found damage (its verdict).
 
 mod bench;
+mod dlq;
 mod orchestrate;
 mod saga;
 
@@ -294,6 +295,10 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         prune_rows: u64,
     },
+    /// Read and replay a RabbitMQ dead-letter queue (<queue>.dead): `list` shows the dead
+    /// letters without taking them, `replay` sends them back to their queue.
+    #[command(subcommand)]
+    Dlq(dlq::DlqCommand),
 }
 
 /// Prints `result`: a table, or one JSON object with `json`; a failure through
@@ -439,17 +444,21 @@ fn list(months: &[sagabox::Month]) -> String {
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     // Checked here rather than by clap, whose message would quote the URL unredacted.
-    let (name, url) = match &cli.command {
-        Command::Demo { database_url, .. } => ("demo", database_url),
-        Command::Serve { database_url, .. } => ("serve", database_url),
-        Command::Orchestrate { database_url, .. } => ("orchestrate", database_url),
-        Command::Migrate { database_url, .. } => ("migrate", database_url),
-        Command::Prune { database_url, .. } => ("prune", database_url),
-        Command::Inspect { database_url, .. } => ("inspect", database_url),
-        Command::Bench { database_url, .. } => ("bench", database_url),
-        Command::Saga { command } => ("saga", command.database_url()),
+    let database = match &cli.command {
+        Command::Demo { database_url, .. } => Some(("demo", database_url)),
+        Command::Serve { database_url, .. } => Some(("serve", database_url)),
+        Command::Orchestrate { database_url, .. } => Some(("orchestrate", database_url)),
+        Command::Migrate { database_url, .. } => Some(("migrate", database_url)),
+        Command::Prune { database_url, .. } => Some(("prune", database_url)),
+        Command::Inspect { database_url, .. } => Some(("inspect", database_url)),
+        Command::Bench { database_url, .. } => Some(("bench", database_url)),
+        Command::Saga { command } => Some(("saga", command.database_url())),
+        // The broker only.
+        Command::Dlq(_) => None,
     };
-    if let Err(error) = args::database_url(url) {
+    if let Some((name, url)) = database
+        && let Err(error) = args::database_url(url)
+    {
         usage_error(name, format_args!("--database-url: {error}"));
     }
     if let Err(error) = init_tracing(cli.log_format) {
@@ -464,6 +473,7 @@ async fn main() -> ExitCode {
 /// Runs one subcommand; `Err` carries the exit status of a failure already reported.
 async fn run(command: Command) -> Result<ExitCode, ExitCode> {
     match command {
+        Command::Dlq(command) => dlq::run(command).await,
         Command::Demo {
             database_url,
             orders,
