@@ -555,17 +555,19 @@ impl StepPool {
     ///
     /// `Err` when no answer came at all (timeout, pool stopped); an empty batch answers
     /// at once.
+    ///
+    /// Unlike [`StepPool::deliver`], the caller's trace context is not added: a batch
+    /// gathers commands of several senders, and each worker span continues the context
+    /// its own envelope carries.
     pub async fn deliver_batch(
         &self,
-        mut envelopes: Vec<Envelope>,
+        envelopes: Vec<Envelope>,
         timeout: Duration,
     ) -> Result<Vec<Result<StepReply, StepFailure>>, StepFailure> {
         if envelopes.is_empty() {
             return Ok(Vec::new());
         }
-        for envelope in &mut envelopes {
-            crate::trace::inject_current(&mut envelope.headers);
-        }
+
         let called = self
             .factory
             .call(

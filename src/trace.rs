@@ -328,7 +328,8 @@ mod tests {
 
     #[test]
     fn extract_reads_the_state_only_next_to_a_valid_parent() {
-        let found = extract(&headers(&[(TRACEPARENT, VALID), (TRACESTATE, "k=v")]));
+        let both = headers(&[(TRACEPARENT, VALID), (TRACESTATE, "k=v")]);
+        let found = extract(&both);
         assert_eq!(
             found,
             Some((TraceParent::parse(VALID).unwrap(), Some("k=v")))

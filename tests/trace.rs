@@ -24,6 +24,7 @@ use ractor::Actor;
 use sagabox::amqp::{AmqpDispatch, Consumer, ConsumerOptions, Disposition, codec};
 use sagabox::orchestrator::{Orchestrator, OrchestratorArguments, OrchestratorMessage};
 use sagabox::outbox::OutboxWriter;
+use sagabox::participant::StepOptions;
 use sagabox::saga::SagaDefinition;
 use sagabox::step::{StepError, StepHandler};
 use sagabox::trace::{TRACEPARENT, TraceParent, saga_trace_id};
@@ -116,7 +117,9 @@ async fn a_saga_is_one_trace_across_the_broker() {
     );
     let participant = Participant::new(pg.store(8).await, rabbit.config.clone())
         .step("hotel", Books)
-        .step("flight", Books)
+        // Batched claims: the batch runs in a task of its own, and each command's span
+        // must still continue its own delivery's context.
+        .step_with("flight", Books, StepOptions::default().batch(4))
         .workers(2)
         .start()
         .await

@@ -39,18 +39,25 @@ pub const REPLY_KIND: &str = "step_reply";
 /// context (the consumer's, when called from a handler), else the command's, so the
 /// reply stays in the saga's trace either way.
 pub fn reply_envelope(command: &Envelope, reply: &StepReply) -> Envelope {
+    let mut envelope = reply_in_context(command, reply);
+    trace::inject_current(&mut envelope.headers);
+    envelope
+}
+
+/// [`reply_envelope`] with the command's own trace context only: for a batch, which runs
+/// in one delivery's task on behalf of all of them.
+fn reply_in_context(command: &Envelope, reply: &StepReply) -> Envelope {
     let payload = json!({
         "command_id": command.id.as_str(),
         "outcome": reply.outcome.to_record(),
         "duplicate": reply.duplicate,
     });
-    let mut headers: std::collections::BTreeMap<String, String> = command
+    let headers: std::collections::BTreeMap<String, String> = command
         .headers
         .iter()
         .filter(|(name, _)| [trace::TRACEPARENT, trace::TRACESTATE].contains(&name.as_str()))
         .map(|(name, value)| (name.clone(), value.clone()))
         .collect();
-    trace::inject_current(&mut headers);
     Envelope {
         id: command.id.derived("reply"),
         kind: REPLY_KIND.to_owned(),
@@ -123,7 +130,7 @@ pub async fn serve_step_batched(
                     .zip(answers)
                     .map(|(command, answer)| match answer {
                         Ok(reply) => Disposition::Done {
-                            reply: Some(reply_envelope(command, &reply)),
+                            reply: Some(reply_in_context(command, &reply)),
                         },
                         Err(StepFailure::Rejected(reason)) => Disposition::Reject(reason),
                         Err(failure) => Disposition::Retry(failure.to_string()),
