@@ -247,22 +247,19 @@ impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
         let myself = myself.clone();
         let key = id.clone();
         let span = crate::trace::saga_span(state.definition.name(), &id);
-        let task = tokio::spawn(
-            async move {
-                // A driver that panics must still end its saga's entry: otherwise whoever
-                // waits on the saga (`Run`, `WhenIdle`) would wait forever.
-                let ended = AssertUnwindSafe(driver.drive(&id))
-                    .catch_unwind()
-                    .await
-                    .map_err(|panic| DriveError::Panicked {
-                        saga_id: id.clone(),
-                        message: panic_message(panic.as_ref()),
-                    });
-                // The actor may be stopping; then nobody is waiting for this.
-                let _ = myself.send_message(OrchestratorMessage::Finished(id, ended));
-            }
-            .instrument(span),
-        );
+        let task = tokio::spawn(async move {
+            // A driver that panics must still end its saga's entry: otherwise whoever
+            // waits on the saga (`Run`, `WhenIdle`) would wait forever.
+            let ended = AssertUnwindSafe(driver.drive(&id).instrument(span))
+                .catch_unwind()
+                .await
+                .map_err(|panic| DriveError::Panicked {
+                    saga_id: id.clone(),
+                    message: panic_message(panic.as_ref()),
+                });
+            // The actor may be stopping; then nobody is waiting for this.
+            let _ = myself.send_message(OrchestratorMessage::Finished(id, ended));
+        });
         state.drivers.insert(key, AbortOnDrop(task.abort_handle()));
     }
 
