@@ -84,6 +84,8 @@
 //! - [`testing`]: [`FaultyDispatch`](testing::FaultyDispatch) — duplicated commands and
 //!   lost replies on demand, to test a saga's participants against them.
 //! - [`logging`]: how the library's log events carry lists ([`json_list`](logging::json_list)).
+//! - [`trace`]: W3C trace context in the envelope's headers, so one saga is one trace
+//!   across processes (bridged to OpenTelemetry with feature `otel`).
 //! - [`month`]: [`Month`], the partition unit; [`clock`]: [`Clock`], injectable time.
 //! - [`database`]: opening a store from a URL, migrating and pruning by URL, the typed
 //!   connection errors; [`redact`](database::redact) for logs.
@@ -106,6 +108,7 @@
 //! | `sqlite` | yes | [`SqliteStore`]: the embedded inbox, one table per month (bundled SQLite) |
 //! | `rabbitmq` | yes | the RabbitMQ transport (lapin): consumer, outbox relay, broker dispatch |
 //! | `prometheus` | yes | [`metrics::install_prometheus`] and `--metrics-addr`: Prometheus text over HTTP |
+//! | `otel` | yes | [`trace`] reads and writes span contexts through `tracing-opentelemetry` (the OpenTelemetry API only; the application installs the SDK and the exporter) |
 //!
 //! Without `prometheus` the metrics still go through the `metrics` facade to whatever
 //! recorder the application installs.
@@ -130,6 +133,7 @@ pub mod step;
 pub mod store;
 pub mod supervisor;
 pub mod testing;
+pub mod trace;
 
 pub use clock::{Clock, InvalidClockSpeed, ManualClock, ScaledClock, SystemClock};
 pub use envelope::{ConsumerType, Envelope, KeyError, MAX_KEY_BYTES, MessageId};

@@ -283,10 +283,11 @@ impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
         };
         let myself = myself.clone();
         let key = id.clone();
+        let span = crate::trace::saga_span(state.definition.name(), &id);
         let task = tokio::spawn(async move {
             // A driver that panics must still end its saga's entry: otherwise whoever
             // waits on the saga (`Run`, `WhenIdle`) would wait forever.
-            let ended = AssertUnwindSafe(driver.drive(&id))
+            let ended = AssertUnwindSafe(driver.drive(&id).instrument(span))
                 .catch_unwind()
                 .await
                 .map_err(|panic| DriveError::Panicked {

@@ -31,6 +31,10 @@ pub struct OutboxRow {
 pub trait OutboxWriter {
     /// Writes `envelope` for `destination`, ordered within `aggregate`. Its id must be
     /// unique (use [`OutboxWriter::message`]); a second row with the same id fails.
+    ///
+    /// Unless the envelope names a `traceparent` of its own, the row takes the current
+    /// span's trace context (the handler's, in a step), so its consumer continues the
+    /// trace ([`crate::trace`]).
     fn publish(
         &mut self,
         destination: &ConsumerType,
@@ -201,7 +205,7 @@ macro_rules! outbox_impls {
                     .bind(envelope.kind.as_str())
                     .bind(envelope.saga_id.as_deref())
                     .bind(Json(&envelope.payload))
-                    .bind(Json(&envelope.headers))
+                    .bind(Json(crate::trace::with_current(&envelope.headers)))
                     .bind(envelope.published_at.unwrap_or_else(Utc::now))
                     .execute(&mut *self)
                     .await?;

@@ -34,6 +34,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SpawnErr};
 use serde_json::{Value, json};
 use sqlx::Database;
 use tokio::task::JoinHandle;
+use tracing::Instrument;
 
 use crate::envelope::{ConsumerType, Envelope};
 use crate::inbox::{GuardError, InboxError, InboxGuard, Outcome};
@@ -228,6 +229,20 @@ pub struct StepWorker<S, H> {
     handler: Arc<H>,
 }
 
+/// The span of one command in a step worker: a child of the span that delivered it
+/// (its context travels in the envelope's headers, across the pool's mailbox).
+fn step_span(consumer_type: &ConsumerType, envelope: &Envelope) -> tracing::Span {
+    let span = tracing::debug_span!(
+        "step.handle",
+        consumer_type = %consumer_type,
+        message_id = %envelope.id,
+        kind = %envelope.kind,
+        saga_id = envelope.saga_id.as_deref(),
+    );
+    crate::trace::continue_from(&span, &envelope.headers);
+    span
+}
+
 impl<S: InboxStore, H: StepHandler<S::Db>> StepWorker<S, H> {
     async fn run(&self, envelope: &Envelope) -> Result<StepReply, StepFailure> {
         let handler = &self.handler;
@@ -236,6 +251,7 @@ impl<S: InboxStore, H: StepHandler<S::Db>> StepWorker<S, H> {
             .process(&self.consumer_type, envelope, async |conn, envelope| {
                 record_of::<S::Db, H>(handler, conn, envelope).await
             })
+            .instrument(step_span(&self.consumer_type, envelope))
             .await;
         match processed {
             Ok(outcome) => Ok(reply_of(outcome)),
@@ -249,11 +265,15 @@ impl<S: InboxStore, H: StepHandler<S::Db>> StepWorker<S, H> {
     /// back, and its envelopes are run one by one instead, so one bad message costs only
     /// its own answer.
     async fn run_batch(&self, envelopes: &[Envelope]) -> Vec<Result<StepReply, StepFailure>> {
-        let handler = &self.handler;
+        let (handler, consumer_type) = (&self.handler, &self.consumer_type);
+        // One transaction for the batch, but each handler in the span of its own
+        // command, so each stays in its own saga's trace.
         let processed = self
             .guard
             .process_batch(&self.consumer_type, envelopes, async |conn, envelope| {
-                record_of::<S::Db, H>(handler, conn, envelope).await
+                record_of::<S::Db, H>(handler, conn, envelope)
+                    .instrument(step_span(consumer_type, envelope))
+                    .await
             })
             .await;
         match processed {
@@ -492,11 +512,15 @@ impl StepPool {
 
     /// Delivers `envelope` and waits up to `timeout` for the step's answer. Safe to call
     /// again with the same envelope at any time, also while the first call runs.
+    ///
+    /// The envelope takes the caller's trace context (see [`crate::trace`]): the worker's
+    /// `step.handle` span is a child of the span that delivered it.
     pub async fn deliver(
         &self,
-        envelope: Envelope,
+        mut envelope: Envelope,
         timeout: Duration,
     ) -> Result<StepReply, StepFailure> {
+        crate::trace::inject_current(&mut envelope.headers);
         let called = self
             .factory
             .call(
@@ -531,6 +555,10 @@ impl StepPool {
     ///
     /// `Err` when no answer came at all (timeout, pool stopped); an empty batch answers
     /// at once.
+    ///
+    /// Unlike [`StepPool::deliver`], the caller's trace context is not added: a batch
+    /// gathers commands of several senders, and each worker span continues the context
+    /// its own envelope carries.
     pub async fn deliver_batch(
         &self,
         envelopes: Vec<Envelope>,
@@ -539,6 +567,7 @@ impl StepPool {
         if envelopes.is_empty() {
             return Ok(Vec::new());
         }
+
         let called = self
             .factory
             .call(

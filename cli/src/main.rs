@@ -47,6 +47,16 @@ struct Cli {
     /// line per message and step attempt).
     #[arg(long, global = true, default_value_t = LogFormat::Human, env = "SAGABOX_LOG_FORMAT")]
     log_format: LogFormat,
+    /// Export spans over OTLP/HTTP to this collector (a base URL, e.g.
+    /// http://localhost:4318; /v1/traces is appended). A saga is one trace across the
+    /// orchestrator and its participants. Unset: nothing is exported.
+    #[arg(
+        long,
+        global = true,
+        env = "OTEL_EXPORTER_OTLP_ENDPOINT",
+        value_name = "URL"
+    )]
+    otlp_endpoint: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -461,10 +471,18 @@ async fn main() -> ExitCode {
     {
         usage_error(name, format_args!("--database-url: {error}"));
     }
-    if let Err(error) = init_tracing(cli.log_format) {
-        say(format_args!("sagabox: {error}"));
-        return ExitCode::FAILURE;
-    }
+    // Held to the end of `main`: dropping it sends the last spans.
+    let _tracing = match init_tracing(
+        cli.log_format,
+        cli.otlp_endpoint.as_deref(),
+        &format!("sagabox-{name}"),
+    ) {
+        Ok(guard) => guard,
+        Err(error) => {
+            say(format_args!("sagabox: {error}"));
+            return ExitCode::FAILURE;
+        }
+    };
     match run(cli.command).await {
         Ok(code) | Err(code) => code,
     }

@@ -90,7 +90,10 @@ where
     F: Fn(Vec<Envelope>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Vec<Disposition>> + Send + 'static,
 {
-    async fn handle(&self, envelope: Envelope) -> Disposition {
+    async fn handle(&self, mut envelope: Envelope) -> Disposition {
+        // The batch runs in another delivery's task, or a task of its own: each envelope
+        // takes its own delivery's trace context along now.
+        crate::trace::inject_current(&mut envelope.headers);
         let (reply, answer) = oneshot::channel();
         let (full, first) = {
             let mut open = self

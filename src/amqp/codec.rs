@@ -2,6 +2,10 @@
 //! delivery tag never is), the body is a JSON object `{"kind", "saga_id"?, "payload",
 //! "headers"?}`, and the `timestamp` property carries the publish time.
 //!
+//! The W3C trace headers ([`TRACEPARENT`], [`TRACESTATE`]) travel in the body with the
+//! other headers and are copied to the AMQP headers too, where broker tools show them;
+//! a body without them takes them from the AMQP headers (a foreign publisher's).
+//!
 //! [`decode`] turns a delivery into an envelope or a [`Malformed`] reason that goes into
 //! the dead-letter header, so a bad message is set aside with a cause, never retried.
 
@@ -15,6 +19,7 @@ use serde_json::Value;
 
 use crate::envelope::{Envelope, KeyError, MessageId};
 use crate::metrics::DeadReason;
+use crate::trace::{TRACEPARENT, TRACESTATE};
 
 /// The body of a message on the wire.
 #[derive(Debug, Serialize, Deserialize)]
@@ -82,6 +87,16 @@ pub fn encode(envelope: &Envelope) -> (Vec<u8>, BasicProperties) {
     if let Some(at) = envelope.published_at {
         properties = properties.with_timestamp(u64::try_from(at.timestamp()).unwrap_or(0));
     }
+    let trace: Vec<_> = [TRACEPARENT, TRACESTATE]
+        .into_iter()
+        .filter_map(|name| {
+            let value = envelope.headers.get(name)?;
+            Some((name, AMQPValue::LongString(value.as_str().into())))
+        })
+        .collect();
+    if !trace.is_empty() {
+        properties = with_headers(properties, trace);
+    }
     (bytes, properties)
 }
 
@@ -109,6 +124,14 @@ pub fn decode(
     }
     envelope.saga_id = body.saga_id;
     envelope.headers = body.headers;
+    if !envelope.headers.contains_key(TRACEPARENT)
+        && let Some(traceparent) = header(properties, TRACEPARENT)
+    {
+        envelope.headers.insert(TRACEPARENT.to_owned(), traceparent);
+        if let Some(tracestate) = header(properties, TRACESTATE) {
+            envelope.headers.insert(TRACESTATE.to_owned(), tracestate);
+        }
+    }
     envelope.published_at = properties.timestamp().and_then(timestamp);
     Ok(envelope)
 }
@@ -195,6 +218,42 @@ mod tests {
         }
         assert!(decode(&id("m-1"), good, &charge).is_ok());
         assert!(decode(&id("m-1"), br#"{"kind":"x","payload":1}"#, &BTreeSet::new()).is_ok());
+    }
+
+    #[test]
+    fn trace_headers_travel_in_the_body_and_the_amqp_headers() {
+        let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let envelope = Envelope::new(MessageId::new_v7(), "charge", json!({}))
+            .unwrap()
+            .with_header(TRACEPARENT, traceparent)
+            .with_header(TRACESTATE, "vendor=1");
+        let (body, properties) = encode(&envelope);
+        assert_eq!(
+            header(&properties, TRACEPARENT).as_deref(),
+            Some(traceparent)
+        );
+        assert_eq!(header(&properties, TRACESTATE).as_deref(), Some("vendor=1"));
+        assert_eq!(
+            decode(&properties, &body, &BTreeSet::new()).unwrap(),
+            envelope
+        );
+
+        // A foreign publisher that set only the AMQP headers.
+        let plain = Envelope::new(MessageId::new_v7(), "charge", json!({})).unwrap();
+        let (body, properties) = encode(&plain);
+        assert_eq!(header(&properties, TRACEPARENT), None);
+        let properties = with_headers(
+            properties,
+            [(TRACEPARENT, AMQPValue::LongString(traceparent.into()))],
+        );
+        let decoded = decode(&properties, &body, &BTreeSet::new()).unwrap();
+        assert_eq!(decoded.headers[TRACEPARENT], traceparent);
+
+        // A malformed one is carried as it is and never refuses the message: the
+        // handler's span ignores it.
+        let junk = plain.clone().with_header(TRACEPARENT, "junk");
+        let (body, properties) = encode(&junk);
+        assert_eq!(decode(&properties, &body, &BTreeSet::new()).unwrap(), junk);
     }
 
     #[test]

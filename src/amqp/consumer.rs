@@ -32,6 +32,7 @@ use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, B
 use lapin::types::{AMQPValue, FieldTable};
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
+use tracing::Instrument;
 
 use super::broker::{self, Publisher, Routing};
 use super::codec;
@@ -39,6 +40,7 @@ use super::config::{AmqpConfig, AmqpError};
 use crate::envelope::{ConsumerType, Envelope};
 use crate::metrics::DeadReason;
 use crate::supervisor::panic_message;
+use crate::trace;
 
 /// The header with a dead-lettered message's reason code.
 pub const DEAD_REASON_HEADER: &str = "x-sagabox-dead-reason";
@@ -378,31 +380,46 @@ impl<H: DeliveryHandler> Work<H> {
                     .await
             }
             Ok(envelope) => {
-                let id = envelope.id.clone();
-                // A handler that panics must still settle its delivery: left unacked, it
-                // would hold one of the prefetch's slots until the connection closed.
-                let disposition = AssertUnwindSafe(self.handler.handle(envelope))
-                    .catch_unwind()
-                    .await
-                    .unwrap_or_else(|panic| {
-                        Disposition::Retry(format!(
-                            "the handler panicked: {}",
-                            panic_message(panic.as_ref())
-                        ))
-                    });
-                match disposition {
-                    Disposition::Done { reply } => self.done(&delivery, &id, reply).await,
-                    Disposition::Retry(reason) => self.retry(&delivery, &reason).await,
-                    Disposition::Reject(reason) => {
-                        self.dead_letter(&delivery, DeadReason::Rejected, &reason)
-                            .await
-                    }
-                }
+                // The sender's span (its context in the envelope) is this one's parent;
+                // the handler, its reply and what it publishes run inside it.
+                let span = tracing::debug_span!(
+                    "amqp.consume",
+                    queue = %self.queue,
+                    message_id = %envelope.id,
+                    kind = %envelope.kind,
+                    saga_id = envelope.saga_id.as_deref(),
+                );
+                trace::continue_from(&span, &envelope.headers);
+                self.handle(&delivery, envelope).instrument(span).await
             }
         };
         if let Err(error) = settled {
             // Not acked: the broker redelivers it, and the inbox absorbs a repeat.
             tracing::warn!(queue = %self.queue, %error, "delivery not settled; it will be redelivered");
+        }
+    }
+
+    /// Runs the handler on a decoded delivery and settles it as the handler says.
+    async fn handle(&self, delivery: &Delivery, envelope: Envelope) -> Result<(), AmqpError> {
+        let id = envelope.id.clone();
+        // A handler that panics must still settle its delivery: left unacked, it
+        // would hold one of the prefetch's slots until the connection closed.
+        let disposition = AssertUnwindSafe(self.handler.handle(envelope))
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|panic| {
+                Disposition::Retry(format!(
+                    "the handler panicked: {}",
+                    panic_message(panic.as_ref())
+                ))
+            });
+        match disposition {
+            Disposition::Done { reply } => self.done(delivery, &id, reply).await,
+            Disposition::Retry(reason) => self.retry(delivery, &reason).await,
+            Disposition::Reject(reason) => {
+                self.dead_letter(delivery, DeadReason::Rejected, &reason)
+                    .await
+            }
         }
     }
 

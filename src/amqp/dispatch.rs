@@ -29,25 +29,42 @@ use crate::inbox::{GuardError, InboxGuard, Outcome};
 use crate::orchestrator::Dispatch;
 use crate::step::{StepFailure, StepOutcome, StepPool, StepReply};
 use crate::store::InboxStore;
+use crate::trace;
 
 /// The kind of a step's reply message.
 pub const REPLY_KIND: &str = "step_reply";
 
 /// The reply to `command`: a stable id derived from the command's, the step's answer
-/// and the command id it answers, in the payload.
+/// and the command id it answers, in the payload. It carries the current span's trace
+/// context (the consumer's, when called from a handler), else the command's, so the
+/// reply stays in the saga's trace either way.
 pub fn reply_envelope(command: &Envelope, reply: &StepReply) -> Envelope {
+    let mut envelope = reply_in_context(command, reply);
+    trace::inject_current(&mut envelope.headers);
+    envelope
+}
+
+/// [`reply_envelope`] with the command's own trace context only: for a batch, which runs
+/// in one delivery's task on behalf of all of them.
+fn reply_in_context(command: &Envelope, reply: &StepReply) -> Envelope {
     let payload = json!({
         "command_id": command.id.as_str(),
         "outcome": reply.outcome.to_record(),
         "duplicate": reply.duplicate,
     });
+    let headers: std::collections::BTreeMap<String, String> = command
+        .headers
+        .iter()
+        .filter(|(name, _)| [trace::TRACEPARENT, trace::TRACESTATE].contains(&name.as_str()))
+        .map(|(name, value)| (name.clone(), value.clone()))
+        .collect();
     Envelope {
         id: command.id.derived("reply"),
         kind: REPLY_KIND.to_owned(),
         saga_id: command.saga_id.clone(),
         payload,
         published_at: None,
-        headers: Default::default(),
+        headers,
     }
 }
 
@@ -113,7 +130,7 @@ pub async fn serve_step_batched(
                     .zip(answers)
                     .map(|(command, answer)| match answer {
                         Ok(reply) => Disposition::Done {
-                            reply: Some(reply_envelope(command, &reply)),
+                            reply: Some(reply_in_context(command, &reply)),
                         },
                         Err(StepFailure::Rejected(reason)) => Disposition::Reject(reason),
                         Err(failure) => Disposition::Retry(failure.to_string()),
@@ -298,9 +315,12 @@ impl Dispatch for AmqpDispatch {
     async fn dispatch(
         &self,
         consumer_type: &ConsumerType,
-        envelope: Envelope,
+        mut envelope: Envelope,
         timeout: Duration,
     ) -> Result<StepReply, StepFailure> {
+        // The orchestrator calls this inside its `saga.step` span: the step's span in the
+        // other process becomes that span's child.
+        trace::inject_current(&mut envelope.headers);
         let (sender, receiver) = oneshot::channel();
         self.waiters
             .lock()
