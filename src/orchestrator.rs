@@ -283,7 +283,7 @@ impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
         };
         let myself = myself.clone();
         let key = id.clone();
-        let span = crate::trace::saga_span(state.definition.name(), &id);
+        let span = crate::trace::saga_span(state.definitions.current().name(), &id);
         let task = tokio::spawn(async move {
             // A driver that panics must still end its saga's entry: otherwise whoever
             // waits on the saga (`Run`, `WhenIdle`) would wait forever.

@@ -137,12 +137,11 @@ async fn a_saga_is_one_trace_across_the_broker() {
     let (orchestrator, handle) = Actor::spawn(
         None,
         Orchestrator::new(),
-        OrchestratorArguments {
-            definition: Arc::new(SagaDefinition::from_toml_str(TRIP).unwrap()),
+        OrchestratorArguments::new(
+            Arc::new(SagaDefinition::from_toml_str(TRIP).unwrap()),
             store,
-            dispatch: Arc::clone(&dispatch),
-            stats: Arc::default(),
-        },
+            Arc::clone(&dispatch),
+        ),
     )
     .await
     .unwrap();

@@ -471,6 +471,7 @@ async fn main() -> ExitCode {
     {
         usage_error(name, format_args!("--database-url: {error}"));
     }
+    let name = database.map_or("dlq", |(name, _)| name);
     // Held to the end of `main`: dropping it sends the last spans.
     let _tracing = match init_tracing(
         cli.log_format,
