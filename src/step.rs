@@ -593,6 +593,7 @@ impl StepPool {
     }
 
     /// The pool's actor, for an operator's diagnostics (its supervision, its children).
+    #[cfg(feature = "rabbitmq")]
     pub(crate) fn cell(&self) -> ractor::ActorCell {
         self.factory.get_cell()
     }
