@@ -108,7 +108,7 @@
 //! | `sqlite` | yes | [`SqliteStore`]: the embedded inbox, one table per month (bundled SQLite) |
 //! | `rabbitmq` | yes | the RabbitMQ transport (lapin): consumer, outbox relay, broker dispatch |
 //! | `prometheus` | yes | [`metrics::install_prometheus`] and `--metrics-addr`: Prometheus text over HTTP |
-//! | `otel` | yes | [`trace`] reads and writes span contexts through `tracing-opentelemetry` (the OpenTelemetry API only; the application installs the SDK and the exporter) |
+//! | `otel` | no | [`trace`] reads and writes span contexts through `tracing-opentelemetry` (the OpenTelemetry API only; the application installs the SDK and the exporter) |
 //!
 //! Without `prometheus` the metrics still go through the `metrics` facade to whatever
 //! recorder the application installs.
