@@ -64,7 +64,8 @@
 //!   uniqueness across them) and [`SqliteStore`] (monthly tables, the embedded default).
 //! - [`step`]: a saga step as a [`StepHandler`](step::StepHandler) in a
 //!   [`StepPool`](step::StepPool) of competing workers behind the guard.
-//! - [`saga`]: saga definitions as data (TOML), saga instances and their store.
+//! - [`saga`]: saga definitions as data (TOML) and their versions, saga instances, their
+//!   history and their store, and the operator's retry and cancel.
 //! - [`orchestrator`]: the [`Orchestrator`](orchestrator::Orchestrator) actor — persisted
 //!   state, stable command ids, free retries, compensation, resume.
 //! - [`outbox`]: the transactional outbox — rows written in the handler's transaction
