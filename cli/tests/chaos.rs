@@ -1,6 +1,8 @@
 //! The crash loop: the built `sagabox demo` on PostgreSQL with 2,000 orders under the
 //! saga issue's fault rates, killed with SIGKILL 20 times and restarted with `--resume`
-//! each time; then every invariant of the saga is checked by SQL.
+//! each time, with an operator cancelling sagas through `sagabox saga cancel` (and
+//! retrying any parked one) while the demo runs and between the kills; then every
+//! invariant of the saga is checked by SQL, history agreeing with state included.
 //!
 //! Each kill lands after a random amount of work (1 to 50 more orders placed, or more
 //! sagas finished, counted in the database), not after a span of time: a fast build and
@@ -34,6 +36,71 @@ const MORE: RangeInclusive<i64> = 1..=50;
 use common::chaos::{FINISHED, Moment, PLACED, UNFINISHED, assert_running, count, demo, kill};
 use common::children::Children;
 
+/// A running saga whose step still has a compensation (payment or inventory): one an
+/// operator may cancel.
+const CANCELLABLE: &str = "SELECT id FROM saga_instances WHERE status = 'running' \
+    AND parked_reason IS NULL AND current_step <= 1 ORDER BY created_at DESC LIMIT 1";
+
+/// Cancels one cancellable saga with the built `sagabox saga cancel`, as an operator
+/// would; returns its id when the command took it. A refusal (the saga moved past its
+/// last compensated step, or finished, between the query and the command) is fine: it
+/// must say so, exit 1 and change nothing.
+async fn cancel_one(fx: &common::Pg, journal: &mut String) -> Option<String> {
+    let id: Option<String> = sqlx::query_scalar(CANCELLABLE)
+        .fetch_optional(&fx.pool)
+        .await
+        .unwrap();
+    let id = id?;
+    let output = std::process::Command::new(common::sagabox_bin())
+        .args([
+            "saga",
+            "cancel",
+            &id,
+            "--note",
+            "chaos operator",
+            "--database-url",
+            &fx.url,
+        ])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    writeln!(
+        journal,
+        "  cancel {id}: {:?} {}",
+        output.status.code(),
+        stderr.trim()
+    )
+    .unwrap();
+    match output.status.code() {
+        Some(0) => Some(id),
+        Some(1) => {
+            assert!(
+                stderr.contains("cannot be cancelled") || stderr.contains("already"),
+                "{journal}an operator's cancel failed for another reason: {stderr}"
+            );
+            None
+        }
+        other => panic!("{journal}sagabox saga cancel exited {other:?}: {stderr}"),
+    }
+}
+
+/// Retries every parked saga, as an operator would after fixing the cause.
+async fn retry_parked(fx: &common::Pg, journal: &mut String) {
+    let parked: Vec<String> =
+        sqlx::query_scalar("SELECT id FROM saga_instances WHERE parked_reason IS NOT NULL")
+            .fetch_all(&fx.pool)
+            .await
+            .unwrap();
+    for id in parked {
+        let output = std::process::Command::new(common::sagabox_bin())
+            .args(["saga", "retry", &id, "--database-url", &fx.url])
+            .output()
+            .unwrap();
+        writeln!(journal, "  retry {id}: {:?}", output.status.code()).unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_twenty_times_and_resumed_every_invariant_holds() {
     let seed: u64 = std::env::var("CHAOS_SEED")
@@ -44,6 +111,7 @@ async fn killed_twenty_times_and_resumed_every_invariant_holds() {
     let mut journal = format!("crash loop seed {seed} (replay with CHAOS_SEED={seed})\n");
     let fx = common::Pg::new().await;
     let loop_started = Instant::now();
+    let mut cancelled = Vec::new();
 
     for kill_no in 0..KILLS {
         // Killed on drop too: a failed test leaves no demo running.
@@ -84,6 +152,8 @@ async fn killed_twenty_times_and_resumed_every_invariant_holds() {
                 assert_running(&mut child[0], "the demo", &journal)
             })
             .await;
+        // An operator at work while the demo's orchestrator drives the same sagas.
+        cancelled.extend(cancel_one(&fx, &mut journal).await);
         let landed = kill(&mut child[0]);
         let (finished, placed) = (count(&fx, FINISHED).await, count(&fx, PLACED).await);
         let unfinished = count(&fx, UNFINISHED).await;
@@ -105,6 +175,9 @@ async fn killed_twenty_times_and_resumed_every_invariant_holds() {
             placed < ORDERS || unfinished > 0,
             "{journal}kill {kill_no} left nothing to resume: the kills took more work than ORDERS"
         );
+        // And between the kills, while nothing runs.
+        cancelled.extend(cancel_one(&fx, &mut journal).await);
+        retry_parked(&fx, &mut journal).await;
     }
     writeln!(
         journal,
@@ -144,6 +217,33 @@ async fn killed_twenty_times_and_resumed_every_invariant_holds() {
     assert_eq!(summary["orders"], ORDERS, "{journal}");
     let broken = common::invariants::violations(&fx.pool).await;
     assert!(broken.is_empty(), "{journal}invariants broken: {broken:?}");
+    // The operator's cancels took effect: each cancelled saga ended compensated, with
+    // the cancel in its history.
+    assert!(
+        !cancelled.is_empty(),
+        "{journal}no cancel of the 40 attempted found a saga to cancel"
+    );
+    for id in &cancelled {
+        let (status, cancels): (String, i64) = sqlx::query_as(
+            "SELECT s.status, (SELECT COUNT(*) FROM sagabox_saga_events e \
+             WHERE e.saga_id = s.id AND e.kind = 'cancelled') FROM saga_instances s WHERE s.id = $1",
+        )
+        .bind(id)
+        .fetch_one(&fx.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            (status.as_str(), cancels),
+            ("compensated", 1),
+            "{journal}saga {id}"
+        );
+    }
+    writeln!(
+        journal,
+        "{} sagas cancelled by the operator",
+        cancelled.len()
+    )
+    .unwrap();
     // Every order's charge went through the inbox (declines are recorded as refusals).
     let inbox_rows = fx
         .scalar(

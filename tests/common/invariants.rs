@@ -4,7 +4,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 /// `(what, query)`: the query counts the rows that break `what`.
-pub const CHECKOUT: [(&str, &str); 9] = [
+pub const CHECKOUT: [(&str, &str); 10] = [
     (
         "order with more than one charge",
         "SELECT COUNT(*) FROM (SELECT order_id FROM payment_charges WHERE kind = 'charge' GROUP BY order_id HAVING COUNT(*) > 1) d",
@@ -47,6 +47,12 @@ pub const CHECKOUT: [(&str, &str); 9] = [
     (
         "sku with negative stock",
         "SELECT COUNT(*) FROM inventory WHERE on_hand < 0",
+    ),
+    (
+        "saga whose history disagrees with its state (a version without its events, or events past its version)",
+        "SELECT COUNT(*) FROM saga_instances s WHERE \
+        (SELECT COUNT(DISTINCT e.version) FROM sagabox_saga_events e WHERE e.saga_id = s.id) <> s.version + 1 OR \
+        (SELECT MAX(e.version) FROM sagabox_saga_events e WHERE e.saga_id = s.id) <> s.version",
     ),
 ];
 
