@@ -8,6 +8,8 @@ use std::path::PathBuf;
 use crate::inbox::{InboxConfig, InboxError, InboxGuard};
 use crate::month::Month;
 use crate::pruner::{Maintenance, PrunePass};
+use crate::saga::{HistoryPruned, SagaStore, history_pass};
+use crate::store::InboxStore;
 
 /// Which database a URL names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -221,13 +223,17 @@ pub fn redact(url: &str) -> String {
 }
 
 /// Runs the migrations of the database at `url` and creates its current and upcoming
-/// inbox partitions. Returns the months it created.
+/// inbox partitions (and saga history partitions, on PostgreSQL). Returns the inbox months
+/// it created.
 pub async fn migrate(url: &str, config: InboxConfig) -> Result<Vec<Month>, InboxError> {
     match Backend::of(url)? {
         #[cfg(feature = "postgres")]
         Backend::Postgres => {
             let store = crate::PostgresStore::connect(url, 2).await?;
-            InboxGuard::new(store, config)?.migrate().await
+            let guard = InboxGuard::new(store, config)?;
+            let created = guard.migrate().await?;
+            prepare_history(guard.store(), &guard).await?;
+            Ok(created)
         }
         #[cfg(feature = "sqlite")]
         Backend::Sqlite => {
@@ -237,6 +243,40 @@ pub async fn migrate(url: &str, config: InboxConfig) -> Result<Vec<Month>, Inbox
         #[allow(unreachable_patterns)]
         _ => Err(InboxError::UnsupportedUrl(redact(url))),
     }
+}
+
+/// Creates the saga history's partitions for the current month and the inbox's months
+/// ahead.
+async fn prepare_history<S: InboxStore + SagaStore>(
+    store: &S,
+    guard: &InboxGuard<S>,
+) -> Result<Vec<Month>, InboxError> {
+    let current = Month::of(guard.now())?;
+    let months: Vec<Month> = current
+        .through(current.plus(guard.config().partitions_ahead))
+        .collect();
+    Ok(store.prepare_history(&months).await?)
+}
+
+/// Prunes the saga history of the database at `url` ([`history_pass`]): drops
+/// (PostgreSQL) or deletes the history of finished sagas created in months wholly older
+/// than `retention`, and creates the history partitions of the months ahead
+/// (`config.partitions_ahead`). With `dry_run`, only reports what it would do.
+/// Unfinished sagas keep their history.
+pub async fn prune_history(
+    url: &str,
+    config: InboxConfig,
+    retention: std::time::Duration,
+    dry_run: bool,
+) -> Result<HistoryPruned, InboxError> {
+    let ahead = config.partitions_ahead;
+    let now = chrono::Utc::now();
+    Ok(match open_migrated(url, 2).await? {
+        #[cfg(feature = "postgres")]
+        Opened::Postgres(store) => history_pass(&store, now, retention, ahead, dry_run).await?,
+        #[cfg(feature = "sqlite")]
+        Opened::Sqlite(store) => history_pass(&store, now, retention, ahead, dry_run).await?,
+    })
 }
 
 /// Runs one pruner pass on the database at `url`: creates the partitions ahead and drops

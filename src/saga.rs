@@ -30,4 +30,7 @@ pub use history::{EventKind, HistoryEntry, SagaEvent, UnknownEventKind};
 pub use instance::{
     Direction, SagaInstance, SagaStatus, StartError, UnknownDirection, UnknownStatus,
 };
-pub use store::{SagaFilter, SagaState, SagaStore, Started};
+pub use store::{
+    DEFAULT_HISTORY_RETENTION, HISTORY_PARTITION_PREFIX, HistoryPruned, SagaFilter, SagaState,
+    SagaStore, Started, history_pass,
+};

@@ -21,7 +21,7 @@ use sagabox::saga::operator::{self, OperatorError};
 use sagabox::saga::{EventKind, SagaDefinition, SagaInstance, SagaStatus, SagaStore};
 use sagabox::step::{StepError, StepHandler, StepPool, StepPoolConfig};
 use sagabox::testing::FaultyDispatch;
-use sagabox::{Envelope, InboxConfig, InboxGuard};
+use sagabox::{Envelope, InboxConfig, InboxGuard, Month};
 use serde_json::{Value, json};
 
 /// `a` then `b`, both compensated, then `c` without compensation.
@@ -443,6 +443,60 @@ macro_rules! saga_ops_suite {
                 assert_eq!(setup.saga("restarted").await.status, SagaStatus::Compensated);
                 assert_eq!(setup.applied("restarted", "do_a").await, 0, "no command sent after the deadline");
                 orchestrator.stop(None);
+            }
+
+            /// History is pruned by the month its saga was created in, once the month is
+            /// older than the retention and only for finished sagas: on PostgreSQL a month
+            /// whose sagas all finished goes whole (its partition dropped), a month with an
+            /// unfinished saga keeps that saga's rows; SQLite deletes the same rows.
+            #[tokio::test]
+            async fn history_is_pruned_by_month_for_finished_sagas_only() {
+                let setup = Setup::new().await;
+                let order = definition(ORDER_V1);
+                let (january, february, march) = (
+                    Month::new(2026, 1).unwrap(),
+                    Month::new(2026, 2).unwrap(),
+                    Month::new(2026, 3).unwrap(),
+                );
+                let created = setup.store.prepare_history(&[january, february]).await.unwrap();
+                let partitioned = created == [january, february];
+                assert!(partitioned || created.is_empty(), "{created:?}");
+                let at = |month: Month| month.start() + TimeDelta::days(3);
+                for (id, month, finished) in [
+                    ("jan-done", january, true),
+                    ("feb-done", february, true),
+                    ("feb-running", february, false),
+                    ("mar-done", march, true),
+                ] {
+                    let mut saga = setup.create(&order, id, at(month)).await;
+                    if finished {
+                        saga.status = SagaStatus::Completed;
+                        let event = sagabox::saga::SagaEvent::new(EventKind::Completed, at(month));
+                        assert!(setup.store.save(&mut saga, &[event]).await.unwrap());
+                    }
+                }
+                let rows = |id: &'static str| {
+                    let store = setup.store.clone();
+                    async move { store.history(id).await.unwrap().len() }
+                };
+                let dry = setup.store.prune_history(march, true).await.unwrap();
+                assert_eq!(rows("jan-done").await, 2, "a dry run changes nothing");
+                let pruned = setup.store.prune_history(march, false).await.unwrap();
+                assert_eq!(dry, pruned, "the dry run told what the pass did");
+                if partitioned {
+                    assert_eq!(pruned.months_dropped, [january]);
+                    assert_eq!(pruned.rows_deleted, 2, "feb-done's rows, one by one");
+                } else {
+                    assert_eq!(pruned.months_dropped, []);
+                    assert_eq!(pruned.rows_deleted, 4);
+                }
+                assert_eq!(
+                    (rows("jan-done").await, rows("feb-done").await, rows("feb-running").await, rows("mar-done").await),
+                    (0, 0, 1, 2),
+                    "finished sagas of months before March lose their history; the rest keep it"
+                );
+                // The saga rows themselves stay.
+                assert_eq!(setup.saga("jan-done").await.status, SagaStatus::Completed);
             }
 
             /// Sagas started under version 1 finish on version 1's steps after the

@@ -17,7 +17,7 @@ use std::time::Duration;
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use sagabox::InboxConfig;
-use sagabox::database::{migrate, prune, redact};
+use sagabox::database::{migrate, prune, prune_history, redact};
 use sagabox::inspect::{InspectOptions, inspect};
 use sagabox_cli::args::{self, DEFAULT_DATABASE_URL};
 use sagabox_cli::telemetry::{LogFormat, init_tracing};
@@ -201,6 +201,10 @@ enum Command {
         /// How often unfinished sagas are looked for and resumed, in milliseconds.
         #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
         resume_interval_ms: u64,
+        /// Days the history of a finished saga is kept (in whole months); one process at a
+        /// time prunes it every hour. 0 keeps it forever.
+        #[arg(long, default_value_t = 90)]
+        history_retention_days: u64,
         /// Serve Prometheus metrics at HOST:PORT while running (e.g. 127.0.0.1:9464).
         #[arg(long, value_name = "HOST:PORT")]
         metrics_addr: Option<String>,
@@ -253,6 +257,10 @@ enum Command {
         dry_run: bool,
         #[command(flatten)]
         retention: args::RetentionArgs,
+        /// Days the history of a finished saga is kept (counted in whole months: a month
+        /// of history goes once all of it is older than this). 0 keeps it forever.
+        #[arg(long, default_value_t = 90)]
+        history_retention_days: u64,
     },
     /// Measure the inbox against hand-written SQL doing the same work, in one run.
     #[command(allow_negative_numbers = true, after_help = EXIT_STATUS)]
@@ -601,6 +609,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             database_url,
             queue_prefix,
             resume_interval_ms,
+            history_retention_days,
             metrics_addr,
         } => {
             let mut definitions = Vec::with_capacity(sagas.len());
@@ -625,6 +634,8 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                 definitions,
                 amqp,
                 resume_interval: Duration::from_millis(resume_interval_ms),
+                history_retention: (history_retention_days > 0)
+                    .then(|| Duration::from_secs(history_retention_days.saturating_mul(86_400))),
             };
             orchestrate::run(&database_url, config, interrupted())
                 .await
@@ -635,11 +646,12 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             database_url,
             dry_run,
             retention,
+            history_retention_days,
         } => {
             let config = retention
                 .config()
                 .unwrap_or_else(|error| usage_error("prune", error));
-            let pass = prune(&database_url, config, dry_run)
+            let pass = prune(&database_url, config.clone(), dry_run)
                 .await
                 .map_err(|error| failed("prune", error, false))?;
             let verb = if dry_run { "would be " } else { "" };
@@ -661,6 +673,20 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                     list(&pass.dropped)
                 ),
             )?;
+            if history_retention_days > 0 {
+                let retention = Duration::from_secs(history_retention_days.saturating_mul(86_400));
+                let history = prune_history(&database_url, config, retention, dry_run)
+                    .await
+                    .map_err(|error| failed("prune", error, false))?;
+                emit(
+                    "prune",
+                    format_args!(
+                        "{database}: saga history months {verb}dropped: {}; rows {verb}deleted: {}\n",
+                        list(&history.months_dropped),
+                        history.rows_deleted
+                    ),
+                )?;
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect {

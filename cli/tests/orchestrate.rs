@@ -99,6 +99,19 @@ async fn orchestrate_drives_trips_whose_participants_run_elsewhere_and_a_repeate
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // Its history pass at start made the saga history's partitions of this month and the
+    // two ahead (beside the default one).
+    let deadline = Instant::now() + BOUND;
+    while fx
+        .scalar(
+            "SELECT COUNT(*) FROM pg_inherits WHERE inhparent = 'sagabox_saga_events'::regclass",
+        )
+        .await
+        < 4
+    {
+        assert!(Instant::now() < deadline, "no history partitions created");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     // Each start request sent twice, the same message id; answers to a queue of ours.
     let answers = format!("{}.answers", rabbit.config.queue_prefix);

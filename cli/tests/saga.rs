@@ -199,6 +199,20 @@ async fn an_operator_lists_shows_retries_and_cancels_sagas() {
     let error: Value = serde_json::from_slice(&failed.stdout).unwrap();
     assert!(error["error"].as_str().unwrap().contains("nope"), "{error}");
 
+    // `prune` keeps the history of sagas created this month, finished or not.
+    let pruned = stdout(&sagabox(&[
+        "prune",
+        "--history-retention-days",
+        "30",
+        "--database-url",
+        url,
+    ]));
+    assert!(
+        pruned.contains("saga history months dropped: none; rows deleted: 0"),
+        "{pruned}"
+    );
+    assert_eq!(store.history("done-1").await.unwrap().len(), 1);
+
     // Usage errors: exit 2.
     fails(
         &saga(url, &["list", "--status", "stuck"]),

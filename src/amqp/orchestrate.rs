@@ -32,7 +32,7 @@ use crate::envelope::{ConsumerType, Envelope, KeyError};
 use crate::inbox::{InboxConfig, InboxError, InboxGuard};
 use crate::orchestrator::{Orchestrator, OrchestratorArguments, OrchestratorMessage};
 use crate::saga::versions::RegisterError;
-use crate::saga::{SagaDefinition, SagaStore, StartError};
+use crate::saga::{SagaDefinition, SagaStore, StartError, history_pass};
 use crate::store::InboxStore;
 use crate::supervisor::{ActorDied, Supervision};
 
@@ -54,6 +54,11 @@ pub struct OrchestrateConfig {
     pub amqp: AmqpConfig,
     /// How often each orchestrator looks for unfinished sagas to resume.
     pub resume_interval: Duration,
+    /// How long the history of a finished saga is kept
+    /// ([`DEFAULT_HISTORY_RETENTION`](crate::saga::DEFAULT_HISTORY_RETENTION) is a
+    /// sensible value); `None` keeps it forever. When set, one orchestrator process at a
+    /// time (the holder of the maintenance lock) prunes it every hour.
+    pub history_retention: Option<Duration>,
 }
 
 /// Why [`orchestrate`] did not start or did not end cleanly.
@@ -145,9 +150,11 @@ where
                 "orchestrating"
             );
             let resume = resume_forever(&running.actors, config.resume_interval);
+            let prune = prune_history_forever(&store, config.history_retention);
             tokio::select! {
                 () = shutdown => Ok(()),
                 () = resume => Ok(()),
+                () = prune => Ok(()),
                 died = supervision.died() => Err(OrchestrateError::Died(died)),
             }
         }
@@ -284,6 +291,44 @@ async fn resume_forever(actors: &[ActorRef<OrchestratorMessage>], interval: Dura
     }
 }
 
+/// How often the saga history is pruned.
+const HISTORY_PRUNE_INTERVAL: Duration = Duration::from_secs(3600);
+
+/// Prunes the saga history at start and every [`HISTORY_PRUNE_INTERVAL`], under the
+/// database's maintenance lock so that one process at a time does it; never returns.
+/// Without a retention, waits forever.
+async fn prune_history_forever<S: InboxStore + SagaStore>(store: &S, retention: Option<Duration>) {
+    let Some(retention) = retention else {
+        return std::future::pending().await;
+    };
+    let months_ahead = InboxConfig::default().partitions_ahead;
+    loop {
+        match store.try_maintenance_lock().await {
+            Ok(Some(lock)) => {
+                let pass =
+                    history_pass(store, chrono::Utc::now(), retention, months_ahead, false).await;
+                lock.release().await;
+                match pass {
+                    Ok(pruned) => tracing::info!(
+                        target: "sagabox::serve",
+                        months_dropped = %crate::logging::json_list(pruned.months_dropped.iter()),
+                        rows_deleted = pruned.rows_deleted,
+                        "saga history pruned"
+                    ),
+                    Err(error) => {
+                        tracing::warn!(%error, "pruning the saga history failed; trying again in an hour")
+                    }
+                }
+            }
+            Ok(None) => tracing::debug!("another instance holds the maintenance lock"),
+            Err(error) => {
+                tracing::warn!(%error, "cannot take the maintenance lock to prune the saga history")
+            }
+        }
+        tokio::time::sleep(HISTORY_PRUNE_INTERVAL).await;
+    }
+}
+
 fn spawn_error(what: &str, error: impl std::fmt::Display) -> OrchestrateError {
     OrchestrateError::Spawn {
         what: what.to_owned(),
@@ -309,6 +354,7 @@ timeout = "5s"
 
     fn config(definitions: Vec<SagaDefinition>, resume_interval: Duration) -> OrchestrateConfig {
         OrchestrateConfig {
+            history_retention: None,
             definitions,
             amqp: AmqpConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f"),
             resume_interval,

@@ -13,6 +13,7 @@ use serde_json::Value;
 use sqlx::types::Json;
 use sqlx::{Database, Row};
 
+use crate::month::Month;
 use crate::saga::history::{self, HistoryEntry, SagaEvent};
 use crate::saga::versions::RegisterError;
 use crate::saga::{Direction, EventKind, SagaDefinition, SagaInstance, SagaStatus};
@@ -25,6 +26,48 @@ pub struct Started {
     /// Whether this call inserted it.
     pub created: bool,
 }
+
+/// What [`SagaStore::prune_history`] did (or, dry, would do).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct HistoryPruned {
+    /// Months whose partition was dropped whole.
+    pub months_dropped: Vec<Month>,
+    /// Rows deleted one by one (SQLite; PostgreSQL's default partition and months with an
+    /// unfinished saga).
+    pub rows_deleted: u64,
+}
+
+/// How long the history of a finished saga is kept by default: 90 days.
+pub const DEFAULT_HISTORY_RETENTION: std::time::Duration =
+    std::time::Duration::from_secs(90 * 24 * 3600);
+
+/// One pass over the saga history as of `now`: creates the partitions of the current
+/// month and `months_ahead` more ([`SagaStore::prepare_history`], not when `dry_run`),
+/// then prunes the history of finished sagas created in months wholly older than
+/// `retention` ([`SagaStore::prune_history`]): a month goes once all of it is older.
+pub async fn history_pass<St: SagaStore>(
+    store: &St,
+    now: DateTime<Utc>,
+    retention: std::time::Duration,
+    months_ahead: u32,
+    dry_run: bool,
+) -> Result<HistoryPruned, sqlx::Error> {
+    let bad_time = |error: crate::month::MonthError| sqlx::Error::Decode(Box::new(error));
+    if !dry_run {
+        let current = Month::of(now).map_err(bad_time)?;
+        let months: Vec<Month> = current.through(current.plus(months_ahead)).collect();
+        store.prepare_history(&months).await?;
+    }
+    let retention = chrono::TimeDelta::from_std(retention).unwrap_or(chrono::TimeDelta::MAX);
+    let oldest_kept = now
+        .checked_sub_signed(retention)
+        .unwrap_or(DateTime::<Utc>::MIN_UTC);
+    let before = Month::of(oldest_kept).map_err(bad_time)?;
+    store.prune_history(before, dry_run).await
+}
+
+/// The prefix of the history's monthly partitions: `sagabox_saga_events_YYYY_MM`.
+pub const HISTORY_PARTITION_PREFIX: &str = "sagabox_saga_events_";
 
 /// Which sagas [`SagaStore::list`] returns.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,6 +181,24 @@ pub trait SagaStore: Clone + Send + Sync + 'static {
         &self,
         definition: &SagaDefinition,
     ) -> impl Future<Output = Result<(), RegisterError>> + Send;
+
+    /// Creates the history's partitions for `months` that do not exist yet (PostgreSQL;
+    /// SQLite keeps its history in one table and creates nothing). A month whose rows
+    /// already sit in the default partition is left to it. Returns the months created.
+    fn prepare_history(
+        &self,
+        months: &[Month],
+    ) -> impl Future<Output = Result<Vec<Month>, sqlx::Error>> + Send;
+
+    /// Prunes the history of sagas created before `before` (the start of a month) that
+    /// are finished: whole monthly partitions dropped where every saga of the month is
+    /// finished (PostgreSQL), the rest deleted. With `dry_run`, only counts. Unfinished
+    /// sagas keep their history, however old.
+    fn prune_history(
+        &self,
+        before: Month,
+        dry_run: bool,
+    ) -> impl Future<Output = Result<HistoryPruned, sqlx::Error>> + Send;
 
     /// The canonical TOML stored for `name`'s version `version`, if any.
     fn stored_definition(
@@ -405,6 +466,34 @@ macro_rules! common_methods {
     };
 }
 
+/// The history rows of finished sagas created before a month's start.
+const FINISHED_HISTORY: &str = "FROM sagabox_saga_events WHERE saga_created_at < $1 \
+    AND NOT EXISTS (SELECT 1 FROM saga_instances s \
+    WHERE s.id = sagabox_saga_events.saga_id AND s.status IN ('running', 'compensating'))";
+
+/// Deletes (or, dry, counts) the history rows left of finished sagas created before
+/// `before`: every row on SQLite; on PostgreSQL those the partitions dropped whole did
+/// not take (the default partition's, and months with an unfinished saga).
+macro_rules! delete_finished_history {
+    ($pool:expr, $before:expr, $dry_run:expr) => {{
+        if $dry_run {
+            let rows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT COUNT(*) {FINISHED_HISTORY}"
+            )))
+            .bind($before.start())
+            .fetch_one($pool)
+            .await?;
+            u64::try_from(rows).unwrap_or(0)
+        } else {
+            sqlx::query(sqlx::AssertSqlSafe(format!("DELETE {FINISHED_HISTORY}")))
+                .bind($before.start())
+                .execute($pool)
+                .await?
+                .rows_affected()
+        }
+    }};
+}
+
 /// Binds an instance's columns to an insert, in the order the inserts name them.
 macro_rules! bind_instance {
     ($query:expr, $instance:expr) => {
@@ -491,6 +580,91 @@ impl SagaStore for crate::PostgresStore {
             instance.version += 1;
         }
         Ok(saved)
+    }
+
+    async fn prepare_history(&self, months: &[Month]) -> Result<Vec<Month>, sqlx::Error> {
+        let mut created = Vec::new();
+        for &month in months {
+            let name = format!("{HISTORY_PARTITION_PREFIX}{}", month.suffix());
+            let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+                .bind(&name)
+                .fetch_one(self.pool())
+                .await?;
+            if exists {
+                continue;
+            }
+            let Some(next) = month.next() else { continue };
+            // The bounds are dates the program formats, never input.
+            let create = format!(
+                "CREATE TABLE {name} PARTITION OF sagabox_saga_events \
+                 FOR VALUES FROM ('{}') TO ('{}')",
+                month.start().format("%Y-%m-%d %H:%M:%S+00"),
+                next.start().format("%Y-%m-%d %H:%M:%S+00"),
+            );
+            match sqlx::raw_sql(sqlx::AssertSqlSafe(create))
+                .execute(self.pool())
+                .await
+            {
+                Ok(_) => created.push(month),
+                // Rows of the month are in the default partition already (a saga created
+                // with a clock ahead), or another instance created it just now: either
+                // way the month's rows have a home.
+                Err(error) => {
+                    tracing::debug!(%month, %error, "saga history partition not created");
+                }
+            }
+        }
+        Ok(created)
+    }
+
+    async fn prune_history(
+        &self,
+        before: Month,
+        dry_run: bool,
+    ) -> Result<HistoryPruned, sqlx::Error> {
+        let partitions: Vec<String> = sqlx::query_scalar(
+            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+             WHERE i.inhparent = 'sagabox_saga_events'::regclass ORDER BY 1",
+        )
+        .fetch_all(self.pool())
+        .await?;
+        let mut pruned = HistoryPruned::default();
+        let mut in_dropped = 0;
+        for name in partitions {
+            let Some(month) = Month::from_table_name(HISTORY_PARTITION_PREFIX, &name) else {
+                continue;
+            };
+            if month >= before {
+                continue;
+            }
+            let unfinished: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM saga_instances WHERE created_at >= $1 \
+                 AND created_at < $2 AND status IN ('running', 'compensating'))",
+            )
+            .bind(month.start())
+            .bind(month.end())
+            .fetch_one(self.pool())
+            .await?;
+            if unfinished {
+                continue;
+            }
+            if dry_run {
+                // Counted below with the rows a real pass deletes one by one.
+                let rows: i64 =
+                    sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM {name}")))
+                        .fetch_one(self.pool())
+                        .await?;
+                in_dropped += u64::try_from(rows).unwrap_or(0);
+            } else {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {name}")))
+                    .execute(self.pool())
+                    .await?;
+            }
+            pruned.months_dropped.push(month);
+        }
+        pruned.rows_deleted =
+            delete_finished_history!(self.pool(), before, dry_run).saturating_sub(in_dropped);
+        Ok(pruned)
     }
 
     common_methods!(sqlx::Postgres);
@@ -583,6 +757,21 @@ impl SagaStore for crate::SqliteStore {
         tx.commit().await?;
         instance.version = version;
         Ok(true)
+    }
+
+    async fn prepare_history(&self, _months: &[Month]) -> Result<Vec<Month>, sqlx::Error> {
+        Ok(Vec::new())
+    }
+
+    async fn prune_history(
+        &self,
+        before: Month,
+        dry_run: bool,
+    ) -> Result<HistoryPruned, sqlx::Error> {
+        Ok(HistoryPruned {
+            months_dropped: Vec::new(),
+            rows_deleted: delete_finished_history!(self.pool(), before, dry_run),
+        })
     }
 
     common_methods!(sqlx::Sqlite);

@@ -380,6 +380,7 @@ where
             definitions: vec![definition.clone()],
             amqp: config.amqp.clone(),
             resume_interval: config.resume_interval,
+            history_retention: Some(sagabox::saga::DEFAULT_HISTORY_RETENTION),
         };
         orchestrate(store.clone(), orchestrate_config, stopped(stop_rx)).await
     };
