@@ -236,6 +236,24 @@ macro_rules! inspect_suite {
                 );
                 assert!(report.warnings.iter().any(|w| w.contains("s-old")), "{:?}", report.warnings);
                 assert!(report.warnings.iter().any(|w| w.contains("2 outbox rows pending")), "{:?}", report.warnings);
+                assert!(!report.warnings.iter().any(|w| w.contains("parked")), "{:?}", report.warnings);
+
+                // Parked sagas are counted apart, warned about, and not the oldest unfinished.
+                sqlx::query("UPDATE saga_instances SET parked_reason = 'undo payment refused: closed' WHERE id = 's-old'")
+                    .execute(&fx.pool)
+                    .await
+                    .unwrap();
+                let report = inspect(&fx.url, &InspectOptions::default()).await.unwrap();
+                assert_eq!(report.sagas.by_status.get("parked"), Some(&1));
+                assert_eq!(report.sagas.by_status.get("compensating"), None);
+                assert_eq!(report.sagas.by_status.get("running"), Some(&1));
+                assert_eq!(report.sagas.oldest_unfinished.as_ref().map(|s| s.id.as_str()), Some("s-new"));
+                assert!(
+                    report.warnings.iter().any(|w| w.contains("1 saga(s) parked") && w.contains("sagabox saga list --status parked")),
+                    "{:?}",
+                    report.warnings
+                );
+                assert!(report.to_string().contains("parked               1"), "{report}");
             }
         }
     };
