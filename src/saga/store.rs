@@ -208,12 +208,50 @@ pub trait SagaStore: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<Option<String>, sqlx::Error>> + Send;
 }
 
+/// The columns of a saga row, in the order every read and insert names them.
+macro_rules! saga_columns {
+    () => {
+        "id, saga_name, status, current_step, attempts, data, created_at, updated_at, \
+         last_error, definition_version, parked_reason, deadline_at, command_round"
+    };
+}
+
+/// Inserts a saga row; binds in `bind_instance!`'s order.
+macro_rules! insert_saga {
+    () => {
+        concat!(
+            "INSERT INTO saga_instances (",
+            saga_columns!(),
+            ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
+        )
+    };
+}
+
+/// Writes a save's progress behind the version fence (`$8`, the version it read).
+macro_rules! save_progress {
+    () => {
+        "UPDATE saga_instances SET status = $2, current_step = $3, attempts = $4, data = $5, \
+         updated_at = $6, last_error = $7, parked_reason = $9, deadline_at = $10, \
+         command_round = $11, version = version + 1 WHERE id = $1 AND version = $8"
+    };
+}
+
+/// The `started` event of the saga a PostgreSQL insert's `saga` CTE returned.
+macro_rules! pg_started_event {
+    () => {
+        "INSERT INTO sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind) \
+         SELECT id, created_at, 0, 0, $8, 'started' FROM saga"
+    };
+}
+
 /// How many times [`SagaStore::create_if_absent`] inserts again when the saga it lost to
 /// was deleted before it could read it back.
 const CREATE_ATTEMPTS: usize = 3;
-const SELECT: &str = "SELECT id, saga_name, status, current_step, attempts, data, created_at, \
-    updated_at, last_error, version, definition_version, parked_reason, deadline_at, command_round \
-    FROM saga_instances WHERE id = $1";
+const SELECT: &str = concat!(
+    "SELECT ",
+    saga_columns!(),
+    ", version FROM saga_instances WHERE id = $1"
+);
 const UNFINISHED: &str = "SELECT id FROM saga_instances WHERE saga_name = $1 \
     AND status IN ('running', 'compensating') AND parked_reason IS NULL ORDER BY created_at, id";
 const HISTORY: &str = "SELECT version, at, kind, step, direction, attempt, duration_ms, detail \
@@ -230,61 +268,55 @@ const STORED_DEFINITION: &str =
 #[cfg(feature = "postgres")]
 mod pg {
     /// Inserts the saga and its `started` event in one statement.
-    pub(super) const INSERT: &str = "WITH saga AS (INSERT INTO saga_instances \
-        (id, saga_name, status, current_step, attempts, data, created_at, updated_at, \
-         last_error, definition_version, parked_reason, deadline_at, command_round) \
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) RETURNING id, created_at) \
-        INSERT INTO sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind) \
-        SELECT id, created_at, 0, 0, $8, 'started' FROM saga";
+    pub(super) const INSERT: &str = concat!(
+        "WITH saga AS (",
+        insert_saga!(),
+        " RETURNING id, created_at) ",
+        pg_started_event!()
+    );
     /// [`INSERT`], unless a saga with the id is stored: then neither row is written.
-    pub(super) const INSERT_IF_ABSENT: &str = "WITH saga AS (INSERT INTO saga_instances \
-        (id, saga_name, status, current_step, attempts, data, created_at, updated_at, \
-         last_error, definition_version, parked_reason, deadline_at, command_round) \
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
-        ON CONFLICT (id) DO NOTHING RETURNING id, created_at) \
-        INSERT INTO sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind) \
-        SELECT id, created_at, 0, 0, $8, 'started' FROM saga";
+    pub(super) const INSERT_IF_ABSENT: &str = concat!(
+        "WITH saga AS (",
+        insert_saga!(),
+        " ON CONFLICT (id) DO NOTHING RETURNING id, created_at) ",
+        pg_started_event!()
+    );
     /// Saves the state alone, for a save without events.
-    pub(super) const UPDATE: &str = "UPDATE saga_instances SET status = $2, current_step = $3, \
-        attempts = $4, data = $5, updated_at = $6, last_error = $7, parked_reason = $9, \
-        deadline_at = $10, command_round = $11, version = version + 1 WHERE id = $1 AND version = $8";
+    pub(super) const UPDATE: &str = save_progress!();
     /// Saves the state and its events in one statement: no event row without the state's
     /// update, which the version fence may refuse.
-    pub(super) const SAVE: &str = "WITH saga AS (UPDATE saga_instances SET status = $2, \
-        current_step = $3, attempts = $4, data = $5, updated_at = $6, last_error = $7, \
-        parked_reason = $9, deadline_at = $10, command_round = $11, version = version + 1 \
-        WHERE id = $1 AND version = $8 RETURNING id, created_at, version) \
+    pub(super) const SAVE: &str = concat!(
+        "WITH saga AS (",
+        save_progress!(),
+        " RETURNING id, created_at, version) \
         INSERT INTO sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind, \
             step, direction, attempt, duration_ms, detail) \
         SELECT saga.id, saga.created_at, saga.version, e.ordinal, e.at, e.kind, e.step, \
             e.direction, e.attempt, e.duration_ms, e.detail \
         FROM saga CROSS JOIN jsonb_to_recordset($12) AS e(ordinal integer, at timestamptz, \
-            kind text, step text, direction text, attempt integer, duration_ms bigint, detail text)";
-    pub(super) const LIST: &str = "SELECT id, saga_name, status, current_step, attempts, data, \
-        created_at, updated_at, last_error, version, definition_version, parked_reason, deadline_at, command_round \
+            kind text, step text, direction text, attempt integer, duration_ms bigint, detail text)"
+    );
+    pub(super) const LIST: &str = concat!(
+        "SELECT ",
+        saga_columns!(),
+        ", version \
         FROM saga_instances \
         WHERE ($1::text IS NULL OR status = $1) \
           AND ($2::boolean IS NULL OR (parked_reason IS NOT NULL) = $2) \
           AND ($3::text IS NULL OR saga_name = $3) \
-        ORDER BY created_at DESC, id DESC LIMIT $4";
+        ORDER BY created_at DESC, id DESC LIMIT $4"
+    );
 }
 
 /// The SQL that differs between the two databases.
 #[cfg(feature = "sqlite")]
 mod lite {
-    pub(super) const INSERT: &str = "INSERT INTO saga_instances \
-        (id, saga_name, status, current_step, attempts, data, created_at, updated_at, \
-         last_error, definition_version, parked_reason, deadline_at, command_round) \
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
-    pub(super) const INSERT_IF_ABSENT: &str = "INSERT INTO saga_instances \
-        (id, saga_name, status, current_step, attempts, data, created_at, updated_at, \
-         last_error, definition_version, parked_reason, deadline_at, command_round) \
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT (id) DO NOTHING";
+    pub(super) const INSERT: &str = insert_saga!();
+    pub(super) const INSERT_IF_ABSENT: &str =
+        concat!(insert_saga!(), " ON CONFLICT (id) DO NOTHING");
     pub(super) const STARTED: &str = "INSERT INTO sagabox_saga_events \
         (saga_id, saga_created_at, version, ordinal, at, kind) VALUES ($1, $2, 0, 0, $3, 'started')";
-    pub(super) const UPDATE: &str = "UPDATE saga_instances SET status = $2, current_step = $3, \
-        attempts = $4, data = $5, updated_at = $6, last_error = $7, parked_reason = $9, \
-        deadline_at = $10, command_round = $11, version = version + 1 WHERE id = $1 AND version = $8 RETURNING version";
+    pub(super) const UPDATE: &str = concat!(save_progress!(), " RETURNING version");
     pub(super) const EVENTS: &str = "INSERT INTO sagabox_saga_events (saga_id, saga_created_at, \
         version, ordinal, at, kind, step, direction, attempt, duration_ms, detail) \
         SELECT $1, $2, $3, json_extract(value, '$.ordinal'), json_extract(value, '$.at'), \
@@ -292,13 +324,16 @@ mod lite {
             json_extract(value, '$.direction'), json_extract(value, '$.attempt'), \
             json_extract(value, '$.duration_ms'), json_extract(value, '$.detail') \
         FROM json_each($4)";
-    pub(super) const LIST: &str = "SELECT id, saga_name, status, current_step, attempts, data, \
-        created_at, updated_at, last_error, version, definition_version, parked_reason, deadline_at, command_round \
+    pub(super) const LIST: &str = concat!(
+        "SELECT ",
+        saga_columns!(),
+        ", version \
         FROM saga_instances \
         WHERE ($1 IS NULL OR status = $1) \
           AND ($2 IS NULL OR (parked_reason IS NOT NULL) = $2) \
           AND ($3 IS NULL OR saga_name = $3) \
-        ORDER BY created_at DESC, id DESC LIMIT $4";
+        ORDER BY created_at DESC, id DESC LIMIT $4"
+    );
 }
 
 fn from_row<R: Row>(row: &R) -> Result<SagaInstance, sqlx::Error>
