@@ -18,8 +18,12 @@ use sagabox::metrics::{CATALOGUE, DEAD_LETTERS_TOTAL, MetricKind, MetricSpec};
 use sagabox_checkout::{DemoConfig, run};
 
 /// The metrics an in-process demo never emits: it has no transport to dead-letter or
-/// publish an outbox through.
-const NOT_IN_A_DEMO: [&str; 2] = [DEAD_LETTERS_TOTAL, sagabox::metrics::OUTBOX_PUBLISHED_TOTAL];
+/// publish an outbox through, and parks no saga (its compensations never refuse).
+const NOT_IN_A_DEMO: [&str; 3] = [
+    DEAD_LETTERS_TOTAL,
+    sagabox::metrics::OUTBOX_PUBLISHED_TOTAL,
+    sagabox::metrics::SAGAS_PARKED_TOTAL,
+];
 
 fn kind_word(spec: &MetricSpec) -> &'static str {
     match spec.kind {
