@@ -8,8 +8,9 @@ use std::path::PathBuf;
 use crate::inbox::{InboxConfig, InboxError, InboxGuard};
 use crate::month::Month;
 use crate::pruner::{Maintenance, PrunePass};
-use crate::saga::{HistoryPruned, SagaStore, history_pass};
-use crate::store::InboxStore;
+use crate::saga::{HistoryPruned, history_pass};
+#[cfg(feature = "postgres")]
+use crate::saga::{SagaStore, history_months};
 
 /// Which database a URL names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -232,7 +233,8 @@ pub async fn migrate(url: &str, config: InboxConfig) -> Result<Vec<Month>, Inbox
             let store = crate::PostgresStore::connect(url, 2).await?;
             let guard = InboxGuard::new(store, config)?;
             let created = guard.migrate().await?;
-            prepare_history(guard.store(), &guard).await?;
+            let months = history_months(guard.now(), guard.config().partitions_ahead)?;
+            guard.store().prepare_history(&months).await?;
             Ok(created)
         }
         #[cfg(feature = "sqlite")]
@@ -243,19 +245,6 @@ pub async fn migrate(url: &str, config: InboxConfig) -> Result<Vec<Month>, Inbox
         #[allow(unreachable_patterns)]
         _ => Err(InboxError::UnsupportedUrl(redact(url))),
     }
-}
-
-/// Creates the saga history's partitions for the current month and the inbox's months
-/// ahead.
-async fn prepare_history<S: InboxStore + SagaStore>(
-    store: &S,
-    guard: &InboxGuard<S>,
-) -> Result<Vec<Month>, InboxError> {
-    let current = Month::of(guard.now())?;
-    let months: Vec<Month> = current
-        .through(current.plus(guard.config().partitions_ahead))
-        .collect();
-    Ok(store.prepare_history(&months).await?)
 }
 
 /// Prunes the saga history of the database at `url` ([`history_pass`]): drops

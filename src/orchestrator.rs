@@ -17,10 +17,14 @@
 //! start message, idempotently: the same message, delivered twice or to two
 //! orchestrators at once, starts one saga and answers every sender with its id.
 //!
-//! A driver gives up, leaving the saga unfinished with `last_error` set for an operator,
-//! only when going on cannot help: a compensation the step refuses or the inbox rejects
-//! (a saga older than the inbox TTL, a consumer type with no step), or a saga row that
-//! vanished. A driver that panics fails the callers waiting on its saga with
+//! Every save writes what happened since the last one to the saga's history
+//! ([`SagaEvent`]), with the state. A saga runs on the definition version it started
+//! under ([`Definitions`]); past its deadline a running saga is compensated. When going
+//! on cannot help — a compensation the step refuses or the inbox rejects (a saga older
+//! than the inbox TTL, a consumer type with no step), a deadline past a step without
+//! compensation, an unknown definition version — the driver **parks** the saga for an
+//! operator ([`crate::saga::operator`]) and resume passes leave it alone; a saga row that
+//! vanished stops its driver. A driver that panics fails the callers waiting on its saga with
 //! [`DriveError::Panicked`]; that saga is then left out of `ResumeAll` until driven again
 //! by id. Stopping the actor, or its death, aborts its drivers; their sagas resume from
 //! the database.
@@ -516,7 +520,13 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
             };
             let steps = definition.steps();
             let now = self.clock.now();
-            if saga.status == SagaStatus::Running && saga.deadline_at.is_some_and(|at| at <= now) {
+            // A deadline stops a saga with a step left to run; one past its last step only
+            // has its completion left to save.
+            let step_left = usize::try_from(saga.current_step).is_ok_and(|i| i < steps.len());
+            if saga.status == SagaStatus::Running
+                && step_left
+                && saga.deadline_at.is_some_and(|at| at <= now)
+            {
                 if !self
                     .deadline_passed(&mut saga, position, &definition, now)
                     .await
@@ -615,16 +625,11 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                 .instrument(span.clone())
                 .await;
             let waited = attempt_started.elapsed();
-            let outcome = match &reply {
-                Ok(StepReply {
-                    outcome: StepOutcome::Done(_),
-                    ..
-                }) => StepAttempt::Done,
-                Ok(StepReply {
-                    outcome: StepOutcome::Refused(_),
-                    ..
-                }) => StepAttempt::Refused,
-                Err(_) => StepAttempt::Failed,
+            let (answer, detail) = answered(&reply);
+            let outcome = match answer {
+                EventKind::Applied | EventKind::Duplicate => StepAttempt::Done,
+                EventKind::Refused => StepAttempt::Refused,
+                _ => StepAttempt::Failed,
             };
             span.record("outcome", outcome.as_str());
             // Closing the span here prints the attempt as one line, outcome included.
@@ -637,7 +642,6 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                 waited,
                 saga.attempts > 1,
             );
-            let (answer, detail) = answered(&reply);
             let mut answer = SagaEvent::new(answer, self.clock.now())
                 .step(step.name(), direction)
                 .attempt(saga.attempts)
@@ -764,9 +768,10 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
         }
     }
 
-    /// The deadline of running `saga` passed: compensate it from the step it is at (whose
-    /// command may have gone out), or park it when that step has no compensation.
-    /// Returns `false` when the driver must stop.
+    /// The deadline of running `saga` passed while it is at a step (`current_step` is an
+    /// index of `definition`'s steps): compensate it from that step (whose command may
+    /// have gone out), or park it when that step has no compensation. Returns `false`
+    /// when the driver must stop.
     async fn deadline_passed(
         &self,
         saga: &mut SagaInstance,
@@ -775,9 +780,7 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
         now: chrono::DateTime<Utc>,
     ) -> bool {
         let steps = definition.steps();
-        let at = usize::try_from(saga.current_step)
-            .unwrap_or(0)
-            .min(steps.len().saturating_sub(1));
+        let at = usize::try_from(saga.current_step).unwrap_or(0);
         let passed = SagaEvent::new(EventKind::DeadlinePassed, now);
         let step = &steps[at];
         if step.compensation().is_none() {

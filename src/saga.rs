@@ -28,9 +28,11 @@ pub mod versions;
 pub use definition::{DefinitionError, RetryPolicy, SagaDefinition, StepDefinition};
 pub use history::{EventKind, HistoryEntry, SagaEvent, UnknownEventKind};
 pub use instance::{
-    Direction, SagaInstance, SagaStatus, StartError, UnknownDirection, UnknownStatus,
+    Direction, SagaInstance, SagaState, SagaStatus, StartError, UnknownDirection, UnknownStatus,
 };
+#[cfg(feature = "postgres")]
+pub(crate) use store::history_months;
 pub use store::{
-    DEFAULT_HISTORY_RETENTION, HISTORY_PARTITION_PREFIX, HistoryPruned, SagaFilter, SagaState,
-    SagaStore, Started, history_pass,
+    DEFAULT_HISTORY_RETENTION, HISTORY_PARTITION_PREFIX, HistoryPruned, SagaFilter, SagaStore,
+    Started, history_pass,
 };

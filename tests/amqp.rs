@@ -82,17 +82,6 @@ fn message(id: &str, kind: &str, payload: Value) -> (Vec<u8>, BasicProperties) {
     codec::encode(&Envelope::new(MessageId::new(id).unwrap(), kind, payload).unwrap())
 }
 
-async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !done().await {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test]
 async fn a_message_published_three_times_is_applied_once_and_acked_three_times() {
     let (pg, rabbit) = (Pg::new().await, Rabbit::new(&["payment"]).await);
@@ -116,7 +105,7 @@ async fn a_message_published_three_times_is_applied_once_and_acked_three_times()
     )
     .await;
     let stats = Arc::clone(consumer.stats());
-    wait_for("three acks", async || stats.acked.load(SeqCst) == 3).await;
+    common::wait_for("three acks", async || stats.acked.load(SeqCst) == 3).await;
     consumer.stop().await;
     assert_eq!(pg.scalar("SELECT COUNT(*) FROM effects").await, 1);
     assert_eq!(duplicates.load(SeqCst), 2);
@@ -157,7 +146,7 @@ async fn malformed_messages_are_dead_lettered_with_their_reason_and_consuming_go
 
     let consumer = guarded_consumer(&rabbit, &guard, "payment", &["charge"], Arc::default()).await;
     let stats = Arc::clone(consumer.stats());
-    wait_for("every message settled", async || {
+    common::wait_for("every message settled", async || {
         stats.acked.load(SeqCst) == 1 && stats.dead_lettered.load(SeqCst) == bad.len() as u64
     })
     .await;
@@ -238,7 +227,7 @@ async fn a_consumer_dropped_between_commit_and_ack_gets_a_duplicate_and_one_side
     )
     .await;
     let stats = Arc::clone(consumer.stats());
-    wait_for("the redelivery", async || stats.acked.load(SeqCst) == 1).await;
+    common::wait_for("the redelivery", async || stats.acked.load(SeqCst) == 1).await;
     consumer.stop().await;
     assert_eq!(
         duplicates.load(SeqCst),
@@ -286,7 +275,7 @@ async fn a_retryable_failure_is_requeued_then_dead_lettered_when_it_keeps_failin
         .publish_raw(&rabbit.queue("payment"), &body, properties)
         .await;
     let stats = Arc::clone(consumer.stats());
-    wait_for("the flaky message requeued once, then done", async || {
+    common::wait_for("the flaky message requeued once, then done", async || {
         stats.acked.load(SeqCst) == 1 && stats.requeued.load(SeqCst) == 1
     })
     .await;
@@ -299,7 +288,7 @@ async fn a_retryable_failure_is_requeued_then_dead_lettered_when_it_keeps_failin
     rabbit
         .publish_raw(&rabbit.queue("payment"), &body, properties)
         .await;
-    wait_for("the broken message dead-lettered", async || {
+    common::wait_for("the broken message dead-lettered", async || {
         stats.dead_lettered.load(SeqCst) == 1
     })
     .await;
@@ -357,7 +346,7 @@ async fn a_handler_that_panics_is_retried_and_the_consumer_goes_on() {
             .await;
     }
     let stats = Arc::clone(consumer.stats());
-    wait_for("all three acked after two panics", async || {
+    common::wait_for("all three acked after two panics", async || {
         stats.acked.load(SeqCst) == 3
     })
     .await;
@@ -437,7 +426,7 @@ async fn rows_published_by_a_relay_that_failed_before_marking_go_again_and_apply
     );
 
     pg.exec("DELETE FROM fail_marks").await;
-    wait_for("the rows marked sent", async || {
+    common::wait_for("the rows marked sent", async || {
         pg.scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")
             .await
             == 0
@@ -457,7 +446,7 @@ async fn rows_published_by_a_relay_that_failed_before_marking_go_again_and_apply
     )
     .await;
     let stats = Arc::clone(consumer.stats());
-    wait_for("ten deliveries", async || stats.acked.load(SeqCst) == 10).await;
+    common::wait_for("ten deliveries", async || stats.acked.load(SeqCst) == 10).await;
     consumer.stop().await;
     assert_eq!(duplicates.load(SeqCst), 5);
     assert_eq!(pg.scalar("SELECT COUNT(*) FROM effects").await, 5);
@@ -496,7 +485,7 @@ async fn several_relays_publish_each_row_once_in_order_per_aggregate() {
                 .unwrap(),
             );
         }
-        wait_for("every row sent", async || {
+        common::wait_for("every row sent", async || {
             pg.scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")
                 .await
                 == 0
@@ -644,7 +633,7 @@ async fn the_relay_reconnects_after_the_broker_closes_its_connection() {
     )
     .await
     .unwrap();
-    wait_for("the first wave sent", async || {
+    common::wait_for("the first wave sent", async || {
         pg.scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")
             .await
             == 0
@@ -656,7 +645,7 @@ async fn the_relay_reconnects_after_the_broker_closes_its_connection() {
         "the relay's connection was found and closed"
     );
     write_outbox(&pg, 4, 25).await;
-    wait_for("the second wave sent after reconnecting", async || {
+    common::wait_for("the second wave sent after reconnecting", async || {
         pg.scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")
             .await
             == 0
@@ -709,13 +698,13 @@ async fn a_consumer_whose_connection_is_closed_reconnects_and_applies_each_messa
             assert_eq!(rabbit.close_connections("consumer payment"), 1);
         }
     }
-    wait_for("every message applied", async || {
+    common::wait_for("every message applied", async || {
         pg.scalar("SELECT COUNT(DISTINCT message_id) FROM effects")
             .await
             == 400
     })
     .await;
-    wait_for("the queue drained", async || {
+    common::wait_for("the queue drained", async || {
         rabbit.ready(&rabbit.queue("payment")).await == 0
     })
     .await;
@@ -773,7 +762,7 @@ async fn stopping_a_consumer_lets_the_messages_in_flight_finish_and_be_acked() {
             .publish_raw(&rabbit.queue("payment"), &body, properties)
             .await;
     }
-    wait_for("five handlers running", async || started.load(SeqCst) == 5).await;
+    common::wait_for("five handlers running", async || started.load(SeqCst) == 5).await;
     let stats = Arc::clone(consumer.stats());
     consumer.stop().await;
     assert_eq!(
@@ -858,7 +847,7 @@ async fn a_batching_consumer_claims_what_it_holds_in_batches_and_applies_each_me
         .await
         .unwrap();
     let stats = Arc::clone(consumer.stats());
-    wait_for("every delivery acked", async || {
+    common::wait_for("every delivery acked", async || {
         stats.acked.load(SeqCst) == 400
     })
     .await;
@@ -944,7 +933,7 @@ async fn the_relay_rides_through_database_cuts_and_refusals() {
         write_outbox(&pg, 10, 5).await; // through the direct pool: 50 rows a wave
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    wait_for(
+    common::wait_for(
         "every row sent while the database connection is cut again and again",
         async || {
             pg.scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")

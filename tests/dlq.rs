@@ -11,7 +11,6 @@ mod common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
-use std::time::Duration;
 
 use common::Pg;
 use common::rabbit::Rabbit;
@@ -339,17 +338,6 @@ async fn guarded_consumer(
     .unwrap()
 }
 
-async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !done().await {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test]
 async fn replaying_an_applied_message_and_a_replayed_one_is_still_one_side_effect() {
     let (pg, rabbit) = (Pg::new().await, Rabbit::new(&["payment"]).await);
@@ -363,7 +351,7 @@ async fn replaying_an_applied_message_and_a_replayed_one_is_still_one_side_effec
     rabbit
         .publish_raw(&rabbit.queue("payment"), &body, properties)
         .await;
-    wait_for("the message applied", async || {
+    common::wait_for("the message applied", async || {
         stats.acked.load(SeqCst) == 1
     })
     .await;
@@ -384,7 +372,7 @@ async fn replaying_an_applied_message_and_a_replayed_one_is_still_one_side_effec
             .replayed,
         1
     );
-    wait_for("the replay absorbed", async || duplicates.load(SeqCst) == 1).await;
+    common::wait_for("the replay absorbed", async || duplicates.load(SeqCst) == 1).await;
 
     // The replayed copy dead-lettered again, and replayed again.
     let (body, properties) = dead_letter(id.as_str(), "retries_exhausted", 5);
@@ -401,7 +389,7 @@ async fn replaying_an_applied_message_and_a_replayed_one_is_still_one_side_effec
             .replayed,
         1
     );
-    wait_for("the second replay absorbed", async || {
+    common::wait_for("the second replay absorbed", async || {
         duplicates.load(SeqCst) == 2
     })
     .await;

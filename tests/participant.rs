@@ -218,18 +218,6 @@ async fn replies(rabbit: &Rabbit, queue: &str) -> HashMap<String, Vec<(bool, Val
     by_command
 }
 
-/// Polls `done` until it holds; fails the test after 30 s.
-async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !done().await {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// Two steps; every command published twice; each applied once, each delivery
 /// answered (the second as a duplicate with the first answer), every delivery acked.
 /// With `batch` above 1, the ledger claims what its consumer holds in batches.
@@ -351,7 +339,7 @@ where
     let command = credit("carol", 900);
     send(&rabbit, "ledger", &command, None).await;
     send(&rabbit, "ledger", &command, None).await;
-    wait_for("the relayed notification applied", async || {
+    common::wait_for("the relayed notification applied", async || {
         db.count("SELECT COUNT(*) FROM notifications WHERE kind = 'credited'")
             .await
             == 1
@@ -421,18 +409,18 @@ async fn shutdown_finishes_and_acks_the_deliveries_in_flight() {
         let _ = stopped.await;
     }));
     let queue = rabbit.queue("ledger");
-    wait_for("the ledger queue consumed", async || {
+    common::wait_for("the ledger queue consumed", async || {
         rabbit.consumers(&queue).await == 1
     })
     .await;
     for n in 0..5 {
         send(&rabbit, "ledger", &credit("dave", n), None).await;
     }
-    wait_for("five handlers running", async || started.load(SeqCst) == 5).await;
+    common::wait_for("five handlers running", async || started.load(SeqCst) == 5).await;
 
     stop.send(()).unwrap();
     // The subscription is cancelled first: no new delivery is taken after the signal.
-    wait_for("the subscription cancelled", async || {
+    common::wait_for("the subscription cancelled", async || {
         rabbit.consumers(&queue).await == 0
     })
     .await;
@@ -546,7 +534,7 @@ async fn three_instances_drop_an_expired_month_exactly_once() {
             })
             .collect()
     };
-    wait_for("a few passes with nothing expired", async || {
+    common::wait_for("a few passes with nothing expired", async || {
         passes(&handles).iter().all(|&count| count >= 3)
     })
     .await;
@@ -558,13 +546,13 @@ async fn three_instances_drop_an_expired_month_exactly_once() {
     // A month later, October is wholly older than the 14-day TTL.
     clock.set(Utc.with_ymd_and_hms(2026, 11, 20, 0, 0, 0).unwrap());
     let done = vec![month(2026, 11), month(2026, 12), month(2027, 1)];
-    wait_for("October dropped and January created", async || {
+    common::wait_for("October dropped and January created", async || {
         observer.partitions().await.unwrap() == done
     })
     .await;
     // More passes each, so that a second drop of October would show.
     let seen = passes(&handles);
-    wait_for("five more passes each", async || {
+    common::wait_for("five more passes each", async || {
         passes(&handles)
             .iter()
             .zip(&seen)
@@ -618,7 +606,7 @@ async fn a_dead_relay_ends_the_run_with_an_error_naming_it() {
         }
         other => panic!("expected the relay's death, got {other:?}"),
     }
-    wait_for("the consumer gone", async || {
+    common::wait_for("the consumer gone", async || {
         rabbit.consumers(&rabbit.queue("ledger")).await == 0
     })
     .await;
@@ -721,7 +709,7 @@ async fn the_metrics_endpoint_counts_the_hosted_steps_messages() {
     let command = credit("gina", 50);
     send(&rabbit, "tally", &command, None).await;
     send(&rabbit, "tally", &command, None).await;
-    wait_for("two acks", async || {
+    common::wait_for("two acks", async || {
         handle.report().step("tally").unwrap().acked == 2
     })
     .await;
@@ -769,7 +757,7 @@ async fn a_bounded_pool_answers_at_once_when_its_queue_is_full() {
         let pool = Arc::clone(&pool);
         async move { pool.deliver(credit("hank", 1), wait).await }
     });
-    wait_for("the worker busy", async || started.load(SeqCst) == 1).await;
+    common::wait_for("the worker busy", async || started.load(SeqCst) == 1).await;
     let mut waiting = Box::pin(pool.deliver(credit("hank", 2), wait));
     // Polled until it is sent and waits: the worker is held at the gate.
     assert!(

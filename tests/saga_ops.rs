@@ -18,7 +18,9 @@ use ractor::{Actor, ActorRef};
 use sagabox::clock::{Clock, ManualClock};
 use sagabox::orchestrator::{InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage};
 use sagabox::saga::operator::{self, OperatorError};
-use sagabox::saga::{EventKind, SagaDefinition, SagaInstance, SagaStatus, SagaStore};
+use sagabox::saga::{
+    EventKind, SagaDefinition, SagaFilter, SagaInstance, SagaState, SagaStatus, SagaStore,
+};
 use sagabox::step::{StepError, StepHandler, StepPool, StepPoolConfig};
 use sagabox::testing::FaultyDispatch;
 use sagabox::{Envelope, InboxConfig, InboxGuard, Month};
@@ -56,19 +58,8 @@ max_backoff = "10ms"
 "#;
 
 /// Version 2 of the same saga: a step `x` inserted between `a` and `b`.
-const ORDER_V2: &str = r#"
-name = "order"
-version = 2
-[[steps]]
-name = "a"
-consumer_type = "a"
-command = "do_a"
-compensation = "undo_a"
-timeout = "5s"
-[steps.retry]
-initial_backoff = "1ms"
-max_backoff = "10ms"
-[[steps]]
+fn order_v2() -> String {
+    const X: &str = r#"[[steps]]
 name = "x"
 consumer_type = "x"
 command = "do_x"
@@ -77,24 +68,15 @@ timeout = "5s"
 [steps.retry]
 initial_backoff = "1ms"
 max_backoff = "10ms"
-[[steps]]
-name = "b"
-consumer_type = "b"
-command = "do_b"
-compensation = "undo_b"
-timeout = "5s"
-[steps.retry]
-initial_backoff = "1ms"
-max_backoff = "10ms"
-[[steps]]
-name = "c"
-consumer_type = "c"
-command = "do_c"
-timeout = "5s"
-[steps.retry]
-initial_backoff = "1ms"
-max_backoff = "10ms"
 "#;
+    ORDER_V1
+        .replacen("name = \"order\"", "name = \"order\"\nversion = 2", 1)
+        .replacen(
+            "[[steps]]\nname = \"b\"",
+            &format!("{X}[[steps]]\nname = \"b\""),
+            1,
+        )
+}
 
 const LEDGER_DDL: &str = "CREATE TABLE ledger (saga_id TEXT NOT NULL, kind TEXT NOT NULL)";
 
@@ -126,17 +108,6 @@ fn definition(text: &str) -> Arc<SagaDefinition> {
 async fn wait_idle(orchestrator: &ActorRef<OrchestratorMessage>) {
     ractor::call_t!(orchestrator, OrchestratorMessage::WhenIdle, 60_000)
         .expect("orchestrator idle in time");
-}
-
-/// Polls `check` every 20 ms for up to 30 s.
-async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
-    for _ in 0..1500 {
-        if check().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("timed out waiting for {what}");
 }
 
 macro_rules! saga_ops_suite {
@@ -303,11 +274,26 @@ macro_rules! saga_ops_suite {
                 let saga = setup.create(&order, "p-1", Utc::now()).await;
                 ractor::call!(orchestrator, OrchestratorMessage::Run, saga.id.clone()).unwrap().unwrap();
                 let parked = setup.saga("p-1").await;
-                assert_eq!(parked.state(), "parked");
+                assert_eq!(parked.state(), SagaState::Parked);
                 assert_eq!(parked.status, SagaStatus::Compensating);
                 assert!(parked.parked.as_deref().unwrap().contains("undo a refused"), "{parked:?}");
                 let resumed = ractor::call!(orchestrator, OrchestratorMessage::ResumeAll).unwrap().unwrap();
                 assert_eq!(resumed, 0, "a parked saga is not resumed");
+                let listed = |state: Option<SagaState>, name: Option<&str>| {
+                    let filter = SagaFilter { state, saga_name: name.map(str::to_owned), limit: 10 };
+                    let store = setup.store.clone();
+                    async move {
+                        store.list(&filter).await.unwrap().into_iter().map(|s| s.id).collect::<Vec<_>>()
+                    }
+                };
+                assert_eq!(listed(Some(SagaState::Parked), None).await, ["p-1"]);
+                assert_eq!(listed(Some(SagaState::Parked), Some("order")).await, ["p-1"]);
+                assert!(listed(Some(SagaState::Parked), Some("trip")).await.is_empty());
+                assert!(
+                    listed(Some(SagaState::Status(SagaStatus::Compensating)), None).await.is_empty(),
+                    "a parked saga is listed as parked, not by its status"
+                );
+                assert_eq!(listed(None, None).await, ["p-1"]);
                 // Driving it by id does not move it either.
                 ractor::call!(orchestrator, OrchestratorMessage::Run, "p-1".to_owned()).unwrap().unwrap();
                 assert_eq!(setup.saga("p-1").await.version, parked.version);
@@ -353,7 +339,7 @@ macro_rules! saga_ops_suite {
                 }
                 for n in 0..SAGAS {
                     let id = format!("c-{n}");
-                    eventually("the saga retrying b", async || {
+                    common::wait_for("the saga retrying b", async || {
                         let saga = setup.saga(&id).await;
                         saga.current_step == 1 && saga.attempts >= 2
                     })
@@ -379,7 +365,7 @@ macro_rules! saga_ops_suite {
                 setup.control.fail("do_c");
                 let saga = setup.create(&order, "pivot", Utc::now()).await;
                 orchestrator.send_message(OrchestratorMessage::Drive(saga.id)).unwrap();
-                eventually("the saga retrying c", async || setup.saga("pivot").await.current_step == 2).await;
+                common::wait_for("the saga retrying c", async || setup.saga("pivot").await.current_step == 2).await;
                 let error = operator::cancel(&setup.store, "pivot", "x", Utc::now()).await.unwrap_err();
                 assert!(matches!(&error, OperatorError::PastPivot { step, .. } if step == "c"), "{error:?}");
                 let error = operator::retry(&setup.store, "pivot", "x", Utc::now()).await.unwrap_err();
@@ -415,7 +401,7 @@ macro_rules! saga_ops_suite {
                 }
                 orchestrator.send_message(OrchestratorMessage::Drive("late".into())).unwrap();
                 orchestrator.send_message(OrchestratorMessage::Drive("pivot".into())).unwrap();
-                eventually("the saga retrying b", async || setup.saga("late").await.attempts >= 2).await;
+                common::wait_for("the saga retrying b", async || setup.saga("late").await.attempts >= 2).await;
                 clock.set(start + TimeDelta::minutes(11));
                 wait_idle(&orchestrator).await;
                 let late = setup.saga("late").await;
@@ -424,7 +410,7 @@ macro_rules! saga_ops_suite {
                 let kinds = setup.kinds("late").await;
                 assert!(kinds.contains(&EventKind::DeadlinePassed), "{kinds:?}");
                 let pivot = setup.saga("pivot").await;
-                assert_eq!(pivot.state(), "parked");
+                assert_eq!(pivot.state(), SagaState::Parked);
                 assert!(pivot.parked.as_deref().unwrap().contains("step `c`"), "{pivot:?}");
                 // An operator lets the pivot saga finish: retry clears the deadline.
                 setup.control.allow("do_c");
@@ -436,12 +422,18 @@ macro_rules! saga_ops_suite {
                 // Stored before any orchestrator ran it; its deadline passes while none runs.
                 let restarted = setup.create(&order, "restarted", start).await;
                 assert_eq!(restarted.deadline_at, Some(start + TimeDelta::minutes(10)));
+                // Past its last step, not yet marked completed (its driver died between the
+                // two saves): a deadline has nothing left to stop, the saga completes.
+                let mut done = setup.create(&order, "all-steps-done", start).await;
+                done.current_step = 3;
+                assert!(setup.store.save(&mut done, &[]).await.unwrap());
                 let clock = ManualClock::new(start + TimeDelta::hours(1));
                 let orchestrator = setup.orchestrator(Arc::clone(&order), Some(clock), (0.0, 0.0)).await.unwrap();
                 ractor::call!(orchestrator, OrchestratorMessage::ResumeAll).unwrap().unwrap();
                 wait_idle(&orchestrator).await;
                 assert_eq!(setup.saga("restarted").await.status, SagaStatus::Compensated);
                 assert_eq!(setup.applied("restarted", "do_a").await, 0, "no command sent after the deadline");
+                assert_eq!(setup.saga("all-steps-done").await.status, SagaStatus::Completed);
                 orchestrator.stop(None);
             }
 
@@ -514,12 +506,14 @@ macro_rules! saga_ops_suite {
                 }
                 for n in 0..5 {
                     let id = format!("old-{n}");
-                    eventually("old sagas at b", async || setup.saga(&id).await.current_step == 1).await;
+                    common::wait_for("old sagas at b", async || setup.saga(&id).await.current_step == 1).await;
                 }
                 orchestrator.stop(None);
                 tokio::time::sleep(Duration::from_millis(100)).await;
 
-                let v2 = definition(ORDER_V2);
+                let v2 = definition(&order_v2());
+                let names: Vec<&str> = v2.steps().iter().map(|step| step.name()).collect();
+                assert_eq!((v2.version(), names), (2, vec!["a", "x", "b", "c"]));
                 let orchestrator = setup.orchestrator(Arc::clone(&v2), None, (0.3, 0.2)).await.unwrap();
                 for n in 0..5 {
                     setup.create(&v2, &format!("new-{n}"), Utc::now()).await;

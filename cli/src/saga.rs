@@ -280,7 +280,7 @@ impl SagaLine {
             id: saga.id.clone(),
             saga: saga.saga_name.clone(),
             definition_version: saga.definition_version,
-            state: saga.state(),
+            state: saga.state().as_str(),
             current_step: saga.current_step,
             step,
             attempts: saga.attempts,

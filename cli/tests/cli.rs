@@ -9,24 +9,12 @@
 #[path = "../../tests/common/mod.rs"]
 mod common;
 
+use common::sagabox_command as command;
+
 use std::io::BufRead;
 use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
-
-/// The binary with `args`, without `DATABASE_URL`, `AMQP_URL` or `RUST_LOG` from the
-/// test's environment.
-fn command(args: &[&str]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_sagabox"));
-    command
-        .args(args)
-        .env_remove("DATABASE_URL")
-        .env_remove("SAGABOX_DATABASE_URL")
-        .env_remove("AMQP_URL")
-        .env_remove("RUST_LOG")
-        .env_remove("SAGABOX_LOG_FORMAT");
-    command
-}
 
 fn sagabox(args: &[&str]) -> Output {
     command(args).output().expect("run sagabox")

@@ -9,7 +9,9 @@
 #[path = "../../tests/common/mod.rs"]
 mod common;
 
-use std::process::{Command, Output, Stdio};
+use common::sagabox_command as command;
+
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::rabbit::Rabbit;
@@ -18,20 +20,6 @@ use lapin::types::AMQPValue;
 use sagabox::amqp::{DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, REPLAYED_HEADER, codec};
 use sagabox::{Envelope, MessageId};
 use serde_json::{Value, json};
-
-/// The binary with `args`, without the test's environment choosing for it.
-fn command(args: &[&str]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_sagabox"));
-    command
-        .args(args)
-        .env_remove("DATABASE_URL")
-        .env_remove("SAGABOX_DATABASE_URL")
-        .env_remove("SAGABOX_AMQP_URL")
-        .env_remove("AMQP_URL")
-        .env_remove("RUST_LOG")
-        .env_remove("SAGABOX_LOG_FORMAT");
-    command
-}
 
 /// `sagabox dlq <args> --amqp-url <the test broker>`.
 fn dlq(rabbit: &Rabbit, args: &[&str]) -> Output {

@@ -9,7 +9,7 @@
 #[path = "../../tests/common/mod.rs"]
 mod common;
 
-use std::process::{Command, Output};
+use std::process::Output;
 
 use chrono::Utc;
 use sagabox::saga::{SagaDefinition, SagaInstance, SagaStatus, SagaStore};
@@ -38,12 +38,7 @@ timeout = "5s"
 
 /// The binary with `args`, without the test's environment choosing for it.
 fn sagabox(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_sagabox"))
-        .args(args)
-        .env_remove("DATABASE_URL")
-        .env_remove("SAGABOX_DATABASE_URL")
-        .env_remove("RUST_LOG")
-        .env_remove("SAGABOX_LOG_FORMAT")
+    common::sagabox_command(args)
         .env("USER", "test-operator")
         .output()
         .expect("run sagabox")

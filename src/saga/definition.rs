@@ -798,6 +798,82 @@ mod tests {
     }
 
     #[test]
+    fn the_canonical_toml_reads_back_and_its_fingerprint_ignores_comments_and_layout() {
+        let saga = SagaDefinition::from_toml_str(CHECKOUT).unwrap();
+        assert_eq!((saga.version(), saga.deadline()), (1, None));
+        let canonical = saga.to_canonical_toml();
+        assert!(!canonical.contains('#'), "no comments: {canonical}");
+        let again = SagaDefinition::from_toml_str(&canonical).unwrap();
+        assert_eq!(again, saga, "the canonical text is the same definition");
+        assert_eq!(again.to_canonical_toml(), canonical);
+        assert_eq!(again.fingerprint(), saga.fingerprint());
+
+        // Comments, blank lines and defaults written out change nothing.
+        let bare: String = CHECKOUT
+            .lines()
+            .filter(|line| !line.trim_start().starts_with('#') && !line.trim().is_empty())
+            .map(|line| format!("{line}\n"))
+            .collect();
+        let bare = SagaDefinition::from_toml_str(&bare).unwrap();
+        assert_eq!(bare.fingerprint(), saga.fingerprint());
+        let implicit = saga_with("", "");
+        let explicit = implicit.replacen("name = \"order\"", "name = \"order\"\nversion = 1", 1);
+        assert_eq!(
+            SagaDefinition::from_toml_str(&explicit)
+                .unwrap()
+                .fingerprint(),
+            SagaDefinition::from_toml_str(&implicit)
+                .unwrap()
+                .fingerprint()
+        );
+
+        // Any setting does.
+        let fingerprint = |text: &str| SagaDefinition::from_toml_str(text).unwrap().fingerprint();
+        let base = fingerprint(&implicit);
+        for changed in [
+            implicit.replacen("timeout = \"5s\"", "timeout = \"6s\"", 1),
+            implicit.replacen("name = \"order\"", "name = \"order\"\nversion = 2", 1),
+            implicit.replacen(
+                "name = \"order\"",
+                "name = \"order\"\ndeadline = \"15m\"",
+                1,
+            ),
+            saga_with("[steps.retry]\nmax_attempts = 3", ""),
+        ] {
+            assert_ne!(fingerprint(&changed), base, "{changed}");
+        }
+    }
+
+    #[test]
+    fn a_version_and_a_deadline_are_read_and_zero_refused() {
+        let text = saga_with("", "").replacen(
+            "name = \"order\"",
+            "name = \"order\"\nversion = 3\ndeadline = \"15m\"",
+            1,
+        );
+        let saga = SagaDefinition::from_toml_str(&text).unwrap();
+        assert_eq!(
+            (saga.version(), saga.deadline()),
+            (3, Some(Duration::from_secs(900)))
+        );
+        let zero =
+            saga_with("", "").replacen("name = \"order\"", "name = \"order\"\nversion = 0", 1);
+        assert!(matches!(
+            refused(&zero),
+            DefinitionError::ZeroVersion { .. }
+        ));
+        let zero = saga_with("", "").replacen(
+            "name = \"order\"",
+            "name = \"order\"\ndeadline = \"0s\"",
+            1,
+        );
+        assert!(matches!(
+            refused(&zero),
+            DefinitionError::ZeroDeadline { .. }
+        ));
+    }
+
+    #[test]
     fn checkout_loads() {
         let saga = SagaDefinition::from_toml_str(CHECKOUT).unwrap();
         assert_eq!(saga.name(), "checkout");

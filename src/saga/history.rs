@@ -10,7 +10,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, Utc};
-use serde_json::{Value, json};
+use serde::Serialize;
 
 use crate::saga::Direction;
 
@@ -176,22 +176,6 @@ impl SagaEvent {
         self.detail = Some(detail.into());
         self
     }
-
-    /// The event as the store's SQL reads it from a JSON array (`jsonb_to_recordset`,
-    /// `json_each`), `ordinal` being its place among the events of one save. The time is
-    /// written as sqlx writes a time to SQLite, so both read it back alike.
-    pub(crate) fn to_row(&self, ordinal: usize) -> Value {
-        json!({
-            "ordinal": ordinal,
-            "at": self.at.to_rfc3339_opts(SecondsFormat::AutoSi, false),
-            "kind": self.kind.as_str(),
-            "step": self.step,
-            "direction": self.direction.map(Direction::as_str),
-            "attempt": self.attempt,
-            "duration_ms": self.duration.map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
-            "detail": self.detail,
-        })
-    }
 }
 
 /// An event as stored: with the version of the saga that the save which wrote it gave.
@@ -203,15 +187,40 @@ pub struct HistoryEntry {
     pub event: SagaEvent,
 }
 
-/// The JSON array of a save's events, in order, for the store's SQL.
-pub(crate) fn rows(events: &[SagaEvent]) -> Value {
-    Value::Array(
-        events
-            .iter()
-            .enumerate()
-            .map(|(ordinal, event)| event.to_row(ordinal))
-            .collect(),
-    )
+/// One event as the store's SQL reads it from a JSON array (`jsonb_to_recordset`,
+/// `json_each`), serialised straight from the event's fields.
+#[derive(Debug, Serialize)]
+pub(crate) struct EventRow<'a> {
+    /// Its place among the events of one save.
+    ordinal: usize,
+    /// Written as sqlx writes a time to SQLite, so both databases read it back alike.
+    at: String,
+    kind: &'static str,
+    step: Option<&'a str>,
+    direction: Option<&'static str>,
+    attempt: Option<i32>,
+    duration_ms: Option<i64>,
+    detail: Option<&'a str>,
+}
+
+/// A save's events, in order, as the rows the store's SQL reads (bound as one JSON array).
+pub(crate) fn rows(events: &[SagaEvent]) -> Vec<EventRow<'_>> {
+    events
+        .iter()
+        .enumerate()
+        .map(|(ordinal, event)| EventRow {
+            ordinal,
+            at: event.at.to_rfc3339_opts(SecondsFormat::AutoSi, false),
+            kind: event.kind.as_str(),
+            step: event.step.as_deref(),
+            direction: event.direction.map(Direction::as_str),
+            attempt: event.attempt,
+            duration_ms: event
+                .duration
+                .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
+            detail: event.detail.as_deref(),
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -238,12 +247,12 @@ mod tests {
                 .attempt(1)
                 .duration(Duration::from_millis(12)),
         ];
-        let rows = rows(&events);
+        let rows = serde_json::to_value(rows(&events)).unwrap();
         assert_eq!(rows[0]["ordinal"], 0);
         assert_eq!(rows[1]["ordinal"], 1);
         assert_eq!(rows[1]["kind"], "applied");
         assert_eq!(rows[1]["direction"], "forward");
         assert_eq!(rows[1]["duration_ms"], 12);
-        assert_eq!(rows[0]["duration_ms"], Value::Null);
+        assert_eq!(rows[0]["duration_ms"], serde_json::Value::Null);
     }
 }

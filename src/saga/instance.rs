@@ -67,6 +67,43 @@ impl FromStr for SagaStatus {
     }
 }
 
+/// Where a saga stands for an operator: a [`SagaStatus`], or parked (waiting for an
+/// operator, whatever its status).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SagaState {
+    /// In this status and not parked.
+    Status(SagaStatus),
+    /// Waiting for an operator (see [`crate::saga::operator`]).
+    Parked,
+}
+
+impl SagaState {
+    /// `parked`, or the status's text.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            SagaState::Status(status) => status.as_str(),
+            SagaState::Parked => "parked",
+        }
+    }
+}
+
+impl fmt::Display for SagaState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for SagaState {
+    type Err = UnknownStatus;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "parked" => Ok(SagaState::Parked),
+            other => other.parse().map(SagaState::Status),
+        }
+    }
+}
+
 /// Why a saga was not started from a start message.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -228,12 +265,12 @@ impl SagaInstance {
         }
     }
 
-    /// Where the saga stands for an operator: its status, or `parked`.
-    pub fn state(&self) -> &'static str {
+    /// Where the saga stands for an operator: its status, or parked.
+    pub fn state(&self) -> SagaState {
         if self.parked.is_some() {
-            "parked"
+            SagaState::Parked
         } else {
-            self.status.as_str()
+            SagaState::Status(self.status)
         }
     }
 
@@ -320,20 +357,16 @@ impl SagaInstance {
     /// of a saga under one stable month, on its fast path) and whose other bits are a
     /// SHA-1 name hash of `(saga id, step, direction)`.
     ///
-    /// Versions after the first add theirs to the name, so that step 1 of version 2 is
-    /// not the same message as step 1 of version 1 (their steps may differ); version 1
-    /// keeps the ids sagas had before versions existed. A renewed command
-    /// ([`command_round`](Self::command_round) above 0) adds its round: it applies to the
-    /// step the saga is at, whose id this is.
+    /// A renewed command ([`command_round`](Self::command_round) above 0) adds its round:
+    /// it applies to the step the saga is at, whose id this is. (A saga's definition
+    /// version is not part of the name: a saga runs on one version to its end, and its id
+    /// already tells its commands from every other saga's.)
     pub fn command_id(&self, step: usize, direction: Direction) -> MessageId {
         let direction = match direction {
             Direction::Forward => "do",
             Direction::Backward => "undo",
         };
-        let mut name = match self.definition_version {
-            1 => format!("{}\u{1f}{step}\u{1f}{direction}", self.id),
-            version => format!("{}\u{1f}v{version}\u{1f}{step}\u{1f}{direction}", self.id),
-        };
+        let mut name = format!("{}\u{1f}{step}\u{1f}{direction}", self.id);
         if self.command_round > 0 {
             name.push_str(&format!("\u{1f}r{}", self.command_round));
         }
@@ -357,6 +390,19 @@ mod tests {
         let other = SagaInstance::new("saga-2", "checkout", Value::Null, created);
         assert_ne!(forward, other.command_id(0, Direction::Forward));
         assert_eq!(forward.uuid_v7_time(), Some(created));
+
+        // A renewed command is another message, at the same time; each round its own.
+        let mut renewed = saga.clone();
+        renewed.command_round = 1;
+        let round_one = renewed.command_id(0, Direction::Forward);
+        assert_ne!(round_one, forward);
+        assert_eq!(round_one.uuid_v7_time(), Some(created));
+        renewed.command_round = 2;
+        assert_ne!(renewed.command_id(0, Direction::Forward), round_one);
+        // The definition version is not part of it: a saga keeps one version.
+        let mut other_version = saga.clone();
+        other_version.definition_version = 2;
+        assert_eq!(other_version.command_id(0, Direction::Forward), forward);
     }
 
     fn two_steps() -> SagaDefinition {
@@ -434,7 +480,11 @@ mod tests {
             SagaStatus::Compensated,
         ] {
             assert_eq!(status.as_str().parse::<SagaStatus>(), Ok(status));
+            let state = SagaState::Status(status);
+            assert_eq!(state.to_string().parse::<SagaState>(), Ok(state));
         }
+        assert_eq!("parked".parse::<SagaState>(), Ok(SagaState::Parked));
         assert!("done".parse::<SagaStatus>().is_err());
+        assert!("stuck".parse::<SagaState>().is_err());
     }
 }

@@ -16,7 +16,7 @@ use sqlx::{Database, Row};
 use crate::month::Month;
 use crate::saga::history::{self, HistoryEntry, SagaEvent};
 use crate::saga::versions::RegisterError;
-use crate::saga::{Direction, EventKind, SagaDefinition, SagaInstance, SagaStatus};
+use crate::saga::{Direction, EventKind, SagaDefinition, SagaInstance, SagaState};
 
 /// What [`SagaStore::create_if_absent`] found.
 #[derive(Debug, Clone, PartialEq)]
@@ -54,8 +54,7 @@ pub async fn history_pass<St: SagaStore>(
 ) -> Result<HistoryPruned, sqlx::Error> {
     let bad_time = |error: crate::month::MonthError| sqlx::Error::Decode(Box::new(error));
     if !dry_run {
-        let current = Month::of(now).map_err(bad_time)?;
-        let months: Vec<Month> = current.through(current.plus(months_ahead)).collect();
+        let months = history_months(now, months_ahead).map_err(bad_time)?;
         store.prepare_history(&months).await?;
     }
     let retention = chrono::TimeDelta::from_std(retention).unwrap_or(chrono::TimeDelta::MAX);
@@ -64,6 +63,16 @@ pub async fn history_pass<St: SagaStore>(
         .unwrap_or(DateTime::<Utc>::MIN_UTC);
     let before = Month::of(oldest_kept).map_err(bad_time)?;
     store.prune_history(before, dry_run).await
+}
+
+/// The months whose history partitions should exist at `now`: the current one and
+/// `months_ahead` more.
+pub(crate) fn history_months(
+    now: DateTime<Utc>,
+    months_ahead: u32,
+) -> Result<Vec<Month>, crate::month::MonthError> {
+    let current = Month::of(now)?;
+    Ok(current.through(current.plus(months_ahead)).collect())
 }
 
 /// The prefix of the history's monthly partitions: `sagabox_saga_events_YYYY_MM`.
@@ -86,26 +95,6 @@ impl Default for SagaFilter {
             state: None,
             saga_name: None,
             limit: 100,
-        }
-    }
-}
-
-/// Where a saga stands for an operator: a [`SagaStatus`], or parked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum SagaState {
-    /// In this status and not parked.
-    Status(SagaStatus),
-    /// Waiting for an operator (see [`crate::saga::operator`]).
-    Parked,
-}
-
-impl std::str::FromStr for SagaState {
-    type Err = crate::saga::UnknownStatus;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "parked" => Ok(SagaState::Parked),
-            other => other.parse().map(SagaState::Status),
         }
     }
 }
@@ -237,6 +226,7 @@ macro_rules! save_progress {
 }
 
 /// The `started` event of the saga a PostgreSQL insert's `saga` CTE returned.
+#[cfg(feature = "postgres")]
 macro_rules! pg_started_event {
     () => {
         "INSERT INTO sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind) \
@@ -254,6 +244,17 @@ const SELECT: &str = concat!(
 );
 const UNFINISHED: &str = "SELECT id FROM saga_instances WHERE saga_name = $1 \
     AND status IN ('running', 'compensating') AND parked_reason IS NULL ORDER BY created_at, id";
+/// Sagas by state and definition, newest first. The casts give PostgreSQL the types of
+/// parameters that may be NULL, and read the same in SQLite.
+const LIST: &str = concat!(
+    "SELECT ",
+    saga_columns!(),
+    ", version FROM saga_instances \
+     WHERE (CAST($1 AS TEXT) IS NULL OR status = $1) \
+       AND (CAST($2 AS BOOLEAN) IS NULL OR (parked_reason IS NOT NULL) = CAST($2 AS BOOLEAN)) \
+       AND (CAST($3 AS TEXT) IS NULL OR saga_name = $3) \
+     ORDER BY created_at DESC, id DESC LIMIT $4"
+);
 const HISTORY: &str = "SELECT version, at, kind, step, direction, attempt, duration_ms, detail \
     FROM sagabox_saga_events WHERE saga_id = $1 ORDER BY version, ordinal";
 const REGISTER: &str = "INSERT INTO sagabox_saga_definitions \
@@ -296,16 +297,6 @@ mod pg {
         FROM saga CROSS JOIN jsonb_to_recordset($12) AS e(ordinal integer, at timestamptz, \
             kind text, step text, direction text, attempt integer, duration_ms bigint, detail text)"
     );
-    pub(super) const LIST: &str = concat!(
-        "SELECT ",
-        saga_columns!(),
-        ", version \
-        FROM saga_instances \
-        WHERE ($1::text IS NULL OR status = $1) \
-          AND ($2::boolean IS NULL OR (parked_reason IS NOT NULL) = $2) \
-          AND ($3::text IS NULL OR saga_name = $3) \
-        ORDER BY created_at DESC, id DESC LIMIT $4"
-    );
 }
 
 /// The SQL that differs between the two databases.
@@ -324,16 +315,6 @@ mod lite {
             json_extract(value, '$.direction'), json_extract(value, '$.attempt'), \
             json_extract(value, '$.duration_ms'), json_extract(value, '$.detail') \
         FROM json_each($4)";
-    pub(super) const LIST: &str = concat!(
-        "SELECT ",
-        saga_columns!(),
-        ", version \
-        FROM saga_instances \
-        WHERE ($1 IS NULL OR status = $1) \
-          AND ($2 IS NULL OR (parked_reason IS NOT NULL) = $2) \
-          AND ($3 IS NULL OR saga_name = $3) \
-        ORDER BY created_at DESC, id DESC LIMIT $4"
-    );
 }
 
 fn from_row<R: Row>(row: &R) -> Result<SagaInstance, sqlx::Error>
@@ -489,7 +470,7 @@ macro_rules! common_methods {
 
         async fn list(&self, filter: &SagaFilter) -> Result<Vec<SagaInstance>, sqlx::Error> {
             let (status, parked) = state_params(filter);
-            let rows = sqlx::query(Self::LIST)
+            let rows = sqlx::query(LIST)
                 .bind(status)
                 .bind(parked)
                 .bind(filter.saga_name.as_deref())
@@ -529,6 +510,24 @@ macro_rules! delete_finished_history {
     }};
 }
 
+/// Binds a save's parameters, `$1` to `$11` of `save_progress!`.
+macro_rules! bind_progress {
+    ($query:expr, $instance:expr) => {
+        $query
+            .bind(&$instance.id)
+            .bind($instance.status.as_str())
+            .bind($instance.current_step)
+            .bind($instance.attempts)
+            .bind(Json(&$instance.data))
+            .bind($instance.updated_at)
+            .bind(&$instance.last_error)
+            .bind($instance.version)
+            .bind(&$instance.parked)
+            .bind($instance.deadline_at)
+            .bind(command_round($instance))
+    };
+}
+
 /// Binds an instance's columns to an insert, in the order the inserts name them.
 macro_rules! bind_instance {
     ($query:expr, $instance:expr) => {
@@ -547,11 +546,6 @@ macro_rules! bind_instance {
             .bind($instance.deadline_at)
             .bind(command_round($instance))
     };
-}
-
-#[cfg(feature = "postgres")]
-impl crate::PostgresStore {
-    const LIST: &'static str = pg::LIST;
 }
 
 #[cfg(feature = "postgres")]
@@ -592,18 +586,7 @@ impl SagaStore for crate::PostgresStore {
         } else {
             pg::SAVE
         };
-        let query = sqlx::query(sql)
-            .bind(&instance.id)
-            .bind(instance.status.as_str())
-            .bind(instance.current_step)
-            .bind(instance.attempts)
-            .bind(Json(&instance.data))
-            .bind(instance.updated_at)
-            .bind(&instance.last_error)
-            .bind(instance.version)
-            .bind(&instance.parked)
-            .bind(instance.deadline_at)
-            .bind(command_round(instance));
+        let query = bind_progress!(sqlx::query(sql), instance);
         let query = if events.is_empty() {
             query
         } else {
@@ -706,11 +689,6 @@ impl SagaStore for crate::PostgresStore {
 }
 
 #[cfg(feature = "sqlite")]
-impl crate::SqliteStore {
-    const LIST: &'static str = lite::LIST;
-}
-
-#[cfg(feature = "sqlite")]
 impl SagaStore for crate::SqliteStore {
     type SagaDb = sqlx::Sqlite;
 
@@ -763,18 +741,7 @@ impl SagaStore for crate::SqliteStore {
         events: &[SagaEvent],
     ) -> Result<bool, sqlx::Error> {
         let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
-        let version: Option<i64> = sqlx::query_scalar(lite::UPDATE)
-            .bind(&instance.id)
-            .bind(instance.status.as_str())
-            .bind(instance.current_step)
-            .bind(instance.attempts)
-            .bind(Json(&instance.data))
-            .bind(instance.updated_at)
-            .bind(&instance.last_error)
-            .bind(instance.version)
-            .bind(&instance.parked)
-            .bind(instance.deadline_at)
-            .bind(command_round(instance))
+        let version: Option<i64> = bind_progress!(sqlx::query_scalar(lite::UPDATE), instance)
             .fetch_optional(&mut *tx)
             .await?;
         let Some(version) = version else {

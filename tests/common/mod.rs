@@ -20,6 +20,33 @@ use sqlx::postgres::PgPool;
 use sqlx::sqlite::SqlitePool;
 use sqlx::{AssertSqlSafe, Connection, PgConnection};
 
+/// Polls `done` every 20 ms until it holds; fails the test, naming `what`, after 30 s.
+pub async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !done().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// The `sagabox` binary with `args`, without the test's environment choosing its
+/// database, broker or log output for it.
+pub fn sagabox_command(args: &[&str]) -> std::process::Command {
+    let mut command = std::process::Command::new(sagabox_bin());
+    command
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .env_remove("SAGABOX_DATABASE_URL")
+        .env_remove("AMQP_URL")
+        .env_remove("SAGABOX_AMQP_URL")
+        .env_remove("RUST_LOG")
+        .env_remove("SAGABOX_LOG_FORMAT");
+    command
+}
+
 /// The `sagabox` binary, for the tests of the package that builds it (`cli/`): the
 /// other packages' tests share these helpers but never start the binary.
 pub fn sagabox_bin() -> PathBuf {
