@@ -28,13 +28,13 @@ mod dlq;
 mod orchestrate;
 mod relay;
 
+pub use crate::delivery::{
+    ATTEMPTS_HEADER, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler, Disposition,
+};
 pub use batching::Batching;
 pub use broker::{Publisher, Routing, connect, declare};
 pub use config::{AmqpConfig, AmqpError};
-pub use consumer::{
-    ATTEMPTS_HEADER, Consumer, ConsumerHandle, ConsumerOptions, ConsumerStats, DEAD_DETAIL_HEADER,
-    DEAD_REASON_HEADER, DeliveryHandler, Disposition,
-};
+pub use consumer::{Consumer, ConsumerHandle, ConsumerOptions, ConsumerStats};
 pub use dispatch::{AmqpDispatch, REPLY_KIND, reply_envelope, serve_step, serve_step_batched};
 pub use dlq::{
     DEAD_SUFFIX, DeadLetter, DeadLetterList, DeadLetterQueue, DlqError, REPLAYED_HEADER,

@@ -70,6 +70,11 @@
 //!   state, stable command ids, free retries, compensation, resume.
 //! - [`outbox`]: the transactional outbox — rows written in the handler's transaction
 //!   ([`OutboxWriter`](outbox::OutboxWriter)), claimed and marked by the relay.
+//! - [`delivery`]: [`DeliveryHandler`](delivery::DeliveryHandler) and
+//!   [`Disposition`](delivery::Disposition) — what every transport's consumer hands a
+//!   message to, and how the answer settles it.
+//! - [`retention`]: the broker's real retention, read from the broker, checked against the
+//!   inbox TTL before a transport consumes.
 //! - `amqp` (feature `rabbitmq`): the RabbitMQ transport — a consumer that acks after
 //!   commit and dead-letters bad input, the outbox relay with publisher confirms, and the
 //!   orchestrator's commands and replies over queues.
@@ -118,6 +123,7 @@
 pub mod amqp;
 pub mod clock;
 pub mod database;
+pub mod delivery;
 pub mod envelope;
 pub mod inbox;
 pub mod inspect;
@@ -129,6 +135,7 @@ pub mod outbox;
 #[cfg(feature = "rabbitmq")]
 pub mod participant;
 pub mod pruner;
+pub mod retention;
 pub mod saga;
 pub mod step;
 pub mod store;

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-use super::consumer::{DeliveryHandler, Disposition};
+use crate::delivery::{DeliveryHandler, Disposition};
 use crate::envelope::Envelope;
 
 type Waiting = Vec<(Envelope, oneshot::Sender<Disposition>)>;

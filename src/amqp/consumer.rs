@@ -19,7 +19,6 @@
 //!   finish and settle, then closes the connection.
 
 use std::collections::BTreeSet;
-use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -37,52 +36,16 @@ use tracing::Instrument;
 use super::broker::{self, Publisher, Routing};
 use super::codec;
 use super::config::{AmqpConfig, AmqpError};
+use crate::delivery::{
+    ATTEMPTS_HEADER, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler, Disposition,
+};
 use crate::envelope::{ConsumerType, Envelope};
 use crate::metrics::DeadReason;
 use crate::supervisor::panic_message;
 use crate::trace;
 
-/// The header with a dead-lettered message's reason code.
-pub const DEAD_REASON_HEADER: &str = "x-sagabox-dead-reason";
-/// The header with a dead-lettered message's explanation.
-pub const DEAD_DETAIL_HEADER: &str = "x-sagabox-dead-detail";
 /// How long deliveries in flight get to end after their connection was lost.
 const IN_FLIGHT_GRACE: Duration = Duration::from_secs(5);
-
-/// The header counting a message's retryable failures.
-pub const ATTEMPTS_HEADER: &str = "x-sagabox-attempts";
-
-/// What to do with a delivery, as the handler decided.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Disposition {
-    /// Handled (applied, or found to be a duplicate): acknowledge. A `reply` is published
-    /// first to the delivery's `reply_to` queue, correlated by the message id.
-    Done {
-        /// The answer to send back, if the sender asked for one.
-        reply: Option<Envelope>,
-    },
-    /// Failed for now (the database is down, a lock timed out): requeue, up to the limit.
-    Retry(String),
-    /// Will never succeed (the inbox refused it): dead-letter with this reason.
-    Reject(String),
-}
-
-/// What handles each decoded message. Implemented for async closures
-/// `Fn(Envelope) -> impl Future<Output = Disposition>`.
-pub trait DeliveryHandler: Send + Sync + 'static {
-    /// Handles one message.
-    fn handle(&self, envelope: Envelope) -> impl Future<Output = Disposition> + Send;
-}
-
-impl<F, Fut> DeliveryHandler for F
-where
-    F: Fn(Envelope) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Disposition> + Send,
-{
-    fn handle(&self, envelope: Envelope) -> impl Future<Output = Disposition> + Send {
-        self(envelope)
-    }
-}
 
 /// Counters of what a consumer did, for tests and summaries.
 #[derive(Debug, Default)]

@@ -29,8 +29,8 @@ use serde::Serialize;
 use super::broker::{self, Publisher, Routing};
 use super::codec;
 use super::config::{AmqpConfig, AmqpError};
-use super::consumer::{ATTEMPTS_HEADER, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER};
 use crate::database::redact;
+use crate::delivery::{ATTEMPTS_HEADER, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER};
 use crate::metrics::DeadReason;
 
 /// How the name of a dead-letter queue ends: `<source queue>.dead`.

@@ -26,8 +26,9 @@ use ractor::ActorRef;
 use serde_json::json;
 
 use super::config::{AmqpConfig, AmqpError};
-use super::consumer::{Consumer, ConsumerHandle, ConsumerOptions, Disposition};
+use super::consumer::{Consumer, ConsumerHandle, ConsumerOptions};
 use super::dispatch::AmqpDispatch;
+use crate::delivery::Disposition;
 use crate::envelope::{ConsumerType, Envelope, KeyError};
 use crate::inbox::{InboxConfig, InboxError, InboxGuard};
 use crate::orchestrator::{Orchestrator, OrchestratorArguments, OrchestratorMessage};

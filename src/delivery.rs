@@ -1,0 +1,46 @@
+//! What a transport's consumer hands each decoded message to, and how the answer settles
+//! the delivery: [`DeliveryHandler`] and [`Disposition`], shared by every transport, with
+//! the header names a dead-lettered or retried message carries on any broker.
+
+use std::future::Future;
+
+use crate::envelope::Envelope;
+
+/// The header with a dead-lettered message's reason code.
+pub const DEAD_REASON_HEADER: &str = "x-sagabox-dead-reason";
+/// The header with a dead-lettered message's explanation.
+pub const DEAD_DETAIL_HEADER: &str = "x-sagabox-dead-detail";
+/// The header counting a message's retryable failures.
+pub const ATTEMPTS_HEADER: &str = "x-sagabox-attempts";
+
+/// What to do with a delivery, as the handler decided.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Disposition {
+    /// Handled (applied, or found to be a duplicate): acknowledge. A `reply` is published
+    /// first to the delivery's `reply_to` queue, correlated by the message id.
+    Done {
+        /// The answer to send back, if the sender asked for one.
+        reply: Option<Envelope>,
+    },
+    /// Failed for now (the database is down, a lock timed out): requeue, up to the limit.
+    Retry(String),
+    /// Will never succeed (the inbox refused it): dead-letter with this reason.
+    Reject(String),
+}
+
+/// What handles each decoded message. Implemented for async closures
+/// `Fn(Envelope) -> impl Future<Output = Disposition>`.
+pub trait DeliveryHandler: Send + Sync + 'static {
+    /// Handles one message.
+    fn handle(&self, envelope: Envelope) -> impl Future<Output = Disposition> + Send;
+}
+
+impl<F, Fut> DeliveryHandler for F
+where
+    F: Fn(Envelope) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Disposition> + Send,
+{
+    fn handle(&self, envelope: Envelope) -> impl Future<Output = Disposition> + Send {
+        self(envelope)
+    }
+}
