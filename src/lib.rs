@@ -142,6 +142,7 @@ pub mod store;
 pub mod supervisor;
 pub mod testing;
 pub mod trace;
+pub mod wire;
 
 pub use clock::{Clock, InvalidClockSpeed, ManualClock, ScaledClock, SystemClock};
 pub use envelope::{ConsumerType, Envelope, KeyError, MAX_KEY_BYTES, MessageId};

@@ -9,77 +9,21 @@
 //! [`decode`] turns a delivery into an envelope or a [`Malformed`] reason that goes into
 //! the dead-letter header, so a bad message is set aside with a cause, never retried.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use chrono::{DateTime, TimeZone, Utc};
 use lapin::BasicProperties;
 use lapin::types::AMQPValue;
-use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
-use crate::envelope::{Envelope, KeyError, MessageId};
-use crate::metrics::DeadReason;
+use crate::envelope::Envelope;
 use crate::trace::{TRACEPARENT, TRACESTATE};
-
-/// The body of a message on the wire.
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Body {
-    kind: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    saga_id: Option<String>,
-    payload: Value,
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    headers: BTreeMap<String, String>,
-}
-
-/// Why a delivery is not a message this consumer can take. Each is dead-lettered at once
-/// with [`Malformed::reason`] in the `x-sagabox-dead-reason` header.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[non_exhaustive]
-pub enum Malformed {
-    /// No `message_id` property: the inbox has nothing stable to deduplicate on.
-    #[error("the message has no message_id property; publish it with a stable id")]
-    MissingMessageId,
-    /// The `message_id` is empty, too long or holds control characters.
-    #[error("the message_id property is not a valid message id: {0}")]
-    InvalidMessageId(KeyError),
-    /// The body is not the JSON envelope `{"kind", "saga_id"?, "payload"}`.
-    #[error("the body is not a sagabox envelope (JSON with kind and payload): {0}")]
-    NotAnEnvelope(String),
-    /// The kind is not one this consumer handles.
-    #[error("unknown message kind {kind:?}; this consumer takes {expected}")]
-    UnknownKind {
-        /// The kind in the message.
-        kind: String,
-        /// The kinds the consumer takes, listed.
-        expected: String,
-    },
-}
-
-impl Malformed {
-    /// The reason written to the dead-letter header and metrics.
-    pub fn reason(&self) -> DeadReason {
-        match self {
-            Malformed::MissingMessageId => DeadReason::MissingMessageId,
-            Malformed::InvalidMessageId(_) => DeadReason::InvalidMessageId,
-            Malformed::NotAnEnvelope(_) => DeadReason::NotAnEnvelope,
-            Malformed::UnknownKind { .. } => DeadReason::UnknownKind,
-        }
-    }
-}
+use crate::wire;
+pub use crate::wire::Malformed;
 
 /// The body and properties to publish `envelope` with: persistent, JSON, its id as
 /// `message_id`, its publish time (if any) as `timestamp`.
 pub fn encode(envelope: &Envelope) -> (Vec<u8>, BasicProperties) {
-    let body = Body {
-        kind: envelope.kind.clone(),
-        saga_id: envelope.saga_id.clone(),
-        payload: envelope.payload.clone(),
-        headers: envelope.headers.clone(),
-    };
-    // Serialising a struct of strings and a JSON value cannot fail.
-    let bytes = serde_json::to_vec(&body).unwrap_or_default();
+    let bytes = wire::encode_body(envelope);
     let mut properties = BasicProperties::default()
         .with_message_id(envelope.id.as_str().into())
         .with_content_type("application/json".into())
@@ -107,23 +51,8 @@ pub fn decode(
     data: &[u8],
     kinds: &BTreeSet<String>,
 ) -> Result<Envelope, Malformed> {
-    let id = properties
-        .message_id()
-        .as_ref()
-        .ok_or(Malformed::MissingMessageId)?;
-    let id = MessageId::new(id.as_str()).map_err(Malformed::InvalidMessageId)?;
-    let body: Body = serde_json::from_slice(data)
-        .map_err(|error| Malformed::NotAnEnvelope(error.to_string()))?;
-    let mut envelope = Envelope::new(id, body.kind, body.payload)
-        .map_err(|error| Malformed::NotAnEnvelope(error.to_string()))?;
-    if !kinds.is_empty() && !kinds.contains(&envelope.kind) {
-        return Err(Malformed::UnknownKind {
-            kind: envelope.kind,
-            expected: kinds.iter().cloned().collect::<Vec<_>>().join(", "),
-        });
-    }
-    envelope.saga_id = body.saga_id;
-    envelope.headers = body.headers;
+    let id = properties.message_id().as_ref().map(|id| id.as_str());
+    let mut envelope = wire::decode_body(id, data, kinds)?;
     if !envelope.headers.contains_key(TRACEPARENT)
         && let Some(traceparent) = header(properties, TRACEPARENT)
     {
@@ -176,6 +105,7 @@ pub fn with_headers(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::envelope::MessageId;
     use serde_json::json;
 
     fn kinds(list: &[&str]) -> BTreeSet<String> {
