@@ -29,12 +29,13 @@ mod orchestrate;
 mod relay;
 
 pub use crate::delivery::{
-    ATTEMPTS_HEADER, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler, Disposition,
+    ATTEMPTS_HEADER, ConsumerStats, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler,
+    Disposition,
 };
 pub use batching::Batching;
 pub use broker::{Publisher, Routing, connect, declare};
 pub use config::{AmqpConfig, AmqpError};
-pub use consumer::{Consumer, ConsumerHandle, ConsumerOptions, ConsumerStats};
+pub use consumer::{Consumer, ConsumerHandle, ConsumerOptions};
 pub use dispatch::{AmqpDispatch, REPLY_KIND, reply_envelope, serve_step, serve_step_batched};
 pub use dlq::{
     DEAD_SUFFIX, DeadLetter, DeadLetterList, DeadLetterQueue, DlqError, REPLAYED_HEADER,

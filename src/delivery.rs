@@ -3,6 +3,7 @@
 //! the header names a dead-lettered or retried message carries on any broker.
 
 use std::future::Future;
+use std::sync::atomic::AtomicU64;
 
 use crate::envelope::Envelope;
 
@@ -43,4 +44,17 @@ where
     fn handle(&self, envelope: Envelope) -> impl Future<Output = Disposition> + Send {
         self(envelope)
     }
+}
+
+/// Counters of what a consumer did, for tests and summaries.
+#[derive(Debug, Default)]
+pub struct ConsumerStats {
+    /// Deliveries acknowledged after the handler said done.
+    pub acked: AtomicU64,
+    /// Deliveries dead-lettered (bad input, rejected, out of attempts).
+    pub dead_lettered: AtomicU64,
+    /// Deliveries published again after a retryable failure.
+    pub requeued: AtomicU64,
+    /// Sessions started (1 + reconnections).
+    pub sessions: AtomicU64,
 }

@@ -30,7 +30,9 @@ struct Body {
 #[non_exhaustive]
 pub enum Malformed {
     /// No message id (AMQP's `message_id` property, NATS's `Nats-Msg-Id` header): the inbox has nothing stable to deduplicate on.
-    #[error("the message has no message id (AMQP message_id property, NATS Nats-Msg-Id header); publish it with a stable id")]
+    #[error(
+        "the message has no message id (AMQP message_id property, NATS Nats-Msg-Id header); publish it with a stable id"
+    )]
     MissingMessageId,
     /// The message id is empty, too long or holds control characters.
     #[error("the message id is not valid: {0}")]

@@ -21,7 +21,7 @@
 use std::collections::BTreeSet;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use futures_lite::StreamExt;
@@ -37,7 +37,8 @@ use super::broker::{self, Publisher, Routing};
 use super::codec;
 use super::config::{AmqpConfig, AmqpError};
 use crate::delivery::{
-    ATTEMPTS_HEADER, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler, Disposition,
+    ATTEMPTS_HEADER, ConsumerStats, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler,
+    Disposition,
 };
 use crate::envelope::{ConsumerType, Envelope};
 use crate::metrics::DeadReason;
@@ -46,19 +47,6 @@ use crate::trace;
 
 /// How long deliveries in flight get to end after their connection was lost.
 const IN_FLIGHT_GRACE: Duration = Duration::from_secs(5);
-
-/// Counters of what a consumer did, for tests and summaries.
-#[derive(Debug, Default)]
-pub struct ConsumerStats {
-    /// Deliveries acknowledged after the handler said done.
-    pub acked: AtomicU64,
-    /// Deliveries dead-lettered (bad input, rejected, out of attempts).
-    pub dead_lettered: AtomicU64,
-    /// Deliveries published again after a retryable failure.
-    pub requeued: AtomicU64,
-    /// Sessions started (1 + reconnections).
-    pub sessions: AtomicU64,
-}
 
 /// Which queue a consumer reads, and how it is declared.
 #[derive(Debug, Clone)]

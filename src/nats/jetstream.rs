@@ -1,0 +1,151 @@
+//! Connecting to NATS, creating a consumer type's streams and durable consumer, reading
+//! a stream's real retention, and publishing with JetStream's acknowledgement.
+
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
+use async_nats::jetstream::stream::{self, RetentionPolicy, StorageType, Stream};
+use async_nats::jetstream::{self as js, Context};
+use async_nats::{Client, ConnectOptions, HeaderMap};
+
+use super::config::{NatsConfig, NatsError};
+use crate::database::redact;
+use crate::envelope::ConsumerType;
+use crate::retention::Retention;
+
+/// How long connecting (TCP and the NATS handshake) may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What a JetStream stream's retention is called, for errors that say what to change.
+pub const RETENTION_SETTING: &str = "the stream's max_age";
+
+/// Opens a client to the server in `config`, named `<prefix>/<role>` in the server's
+/// connection list (`nats server report connections`). It reconnects by itself after a
+/// lost connection, without limit.
+pub async fn connect(config: &NatsConfig, role: &str) -> Result<Client, NatsError> {
+    let options = ConnectOptions::new()
+        .name(format!("{}/{role}", config.prefix))
+        .connection_timeout(CONNECT_TIMEOUT)
+        .max_reconnects(None);
+    options
+        .connect(config.url.as_str())
+        .await
+        .map_err(|error| NatsError::Connect {
+            url: redact(&config.url),
+            reason: error.to_string(),
+        })
+}
+
+/// Checks that `consumer_type` can be a subject token and a stream name.
+pub(crate) fn check_consumer_type(consumer_type: &ConsumerType) -> Result<(), NatsError> {
+    let name = consumer_type.as_str();
+    let bad = |c: char| matches!(c, '*' | '>' | '/' | '\\') || c.is_whitespace();
+    if name.chars().any(bad) || name.starts_with('.') || name.ends_with('.') || name.contains("..")
+    {
+        return Err(NatsError::Config(format!(
+            "the consumer type {name:?} cannot name a NATS subject: use letters, digits, '-', \
+             '_' and single dots"
+        )));
+    }
+    Ok(())
+}
+
+/// Creates `consumer_type`'s work stream (work queue, `max_age` = the configured
+/// retention) and dead-letter stream (kept until taken), unless they exist; returns the
+/// work stream. An existing stream keeps its settings.
+pub async fn declare(
+    jetstream: &Context,
+    config: &NatsConfig,
+    consumer_type: &ConsumerType,
+) -> Result<Stream, NatsError> {
+    check_consumer_type(consumer_type)?;
+    jetstream
+        .get_or_create_stream(stream::Config {
+            name: config.dead_stream(consumer_type),
+            subjects: vec![config.dead_subject(consumer_type)],
+            retention: RetentionPolicy::Limits,
+            storage: StorageType::File,
+            duplicate_window: config.duplicate_window,
+            ..Default::default()
+        })
+        .await
+        .map_err(NatsError::broker("create the dead-letter stream"))?;
+    jetstream
+        .get_or_create_stream(stream::Config {
+            name: config.stream(consumer_type),
+            subjects: vec![config.subject(consumer_type)],
+            retention: RetentionPolicy::WorkQueue,
+            storage: StorageType::File,
+            max_age: config.retention,
+            duplicate_window: config.duplicate_window,
+            ..Default::default()
+        })
+        .await
+        .map_err(NatsError::broker("create the stream"))
+}
+
+/// The durable pull consumer every process serving `consumer_type` shares: explicit
+/// acks, `ack_wait` and `max_ack_pending` from `config`. Redeliveries are not limited
+/// by the server: the consumer dead-letters a message past `max_deliver` itself, so
+/// none is left stranded in the stream.
+pub async fn durable_consumer(
+    stream: &Stream,
+    config: &NatsConfig,
+    consumer_type: &ConsumerType,
+) -> Result<PullConsumer, NatsError> {
+    let name = config.stream(consumer_type);
+    stream
+        .get_or_create_consumer(
+            &name,
+            pull::Config {
+                durable_name: Some(name.clone()),
+                deliver_policy: DeliverPolicy::All,
+                ack_policy: AckPolicy::Explicit,
+                ack_wait: config.ack_wait,
+                max_deliver: -1,
+                max_ack_pending: i64::from(config.prefetch),
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(NatsError::broker("create the durable consumer"))
+}
+
+/// What `stream` really keeps a message for: its `max_age`, unbounded when zero.
+pub async fn measured_retention(stream: &mut Stream) -> Result<Retention, NatsError> {
+    let info = stream
+        .info()
+        .await
+        .map_err(NatsError::broker("read the stream's settings"))?;
+    Ok(match info.config.max_age {
+        age if age.is_zero() => Retention::Unbounded,
+        age => Retention::Bounded(age),
+    })
+}
+
+/// Publishes `body` with `headers` to `subject` and waits for JetStream to store it.
+/// `true` when the server dropped it as a duplicate of a message published with the same
+/// `Nats-Msg-Id` within the duplicate window.
+pub async fn publish(
+    jetstream: &Context,
+    subject: &str,
+    headers: HeaderMap,
+    body: Vec<u8>,
+) -> Result<bool, NatsError> {
+    let not_acknowledged = |error: &dyn std::fmt::Display| NatsError::NotAcknowledged {
+        subject: subject.to_owned(),
+        reason: error.to_string(),
+    };
+    let ack = jetstream
+        .publish_with_headers(subject.to_owned(), headers, body.into())
+        .await
+        .map_err(|error| not_acknowledged(&error))?
+        .await
+        .map_err(|error| not_acknowledged(&error))?;
+    Ok(ack.duplicate)
+}
+
+/// A JetStream context on `client`.
+pub fn context(client: &Client) -> Context {
+    js::new(client.clone())
+}
