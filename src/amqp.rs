@@ -32,11 +32,12 @@ pub use crate::delivery::{
     ATTEMPTS_HEADER, ConsumerStats, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler,
     Disposition,
 };
+pub use crate::reply::{REPLY_KIND, reply_envelope};
 pub use batching::Batching;
 pub use broker::{Publisher, Routing, connect, declare};
 pub use config::{AmqpConfig, AmqpError};
 pub use consumer::{Consumer, ConsumerHandle, ConsumerOptions};
-pub use dispatch::{AmqpDispatch, REPLY_KIND, reply_envelope, serve_step, serve_step_batched};
+pub use dispatch::{AmqpDispatch, serve_step, serve_step_batched};
 pub use dlq::{
     DEAD_SUFFIX, DeadLetter, DeadLetterList, DeadLetterQueue, DlqError, REPLAYED_HEADER,
     ReplayOptions, ReplayReport, queue_names,

@@ -73,6 +73,8 @@
 //! - [`delivery`]: [`DeliveryHandler`](delivery::DeliveryHandler) and
 //!   [`Disposition`](delivery::Disposition) — what every transport's consumer hands a
 //!   message to, and how the answer settles it.
+//! - [`reply`]: a step's reply with its stable id, on any transport.
+//! - [`wire`]: the envelope's JSON body and the reasons a body is refused, on any broker.
 //! - [`retention`]: the broker's real retention, read from the broker, checked against the
 //!   inbox TTL before a transport consumes.
 //! - `amqp` (feature `rabbitmq`): the RabbitMQ transport — a consumer that acks after
@@ -135,6 +137,7 @@ pub mod outbox;
 #[cfg(feature = "rabbitmq")]
 pub mod participant;
 pub mod pruner;
+pub mod reply;
 pub mod retention;
 pub mod saga;
 pub mod step;

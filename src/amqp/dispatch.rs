@@ -12,13 +12,9 @@
 //! record. A reply lost with a crashed orchestrator costs nothing: the orchestrator's
 //! timeout sends the command again, and the step's inbox answers with the first result.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
-use std::convert::Infallible;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
-
-use serde_json::{Value, json};
-use tokio::sync::oneshot;
 
 use super::batching::Batching;
 use super::broker::{self, Publisher, Routing};
@@ -26,56 +22,12 @@ use super::config::{AmqpConfig, AmqpError};
 use super::consumer::{Consumer, ConsumerHandle, ConsumerOptions};
 use crate::delivery::Disposition;
 use crate::envelope::{ConsumerType, Envelope, MessageId};
-use crate::inbox::{GuardError, InboxGuard, Outcome};
+use crate::inbox::InboxGuard;
 use crate::orchestrator::Dispatch;
-use crate::step::{StepFailure, StepOutcome, StepPool, StepReply};
+use crate::reply::{REPLY_KIND, Waiters, reply_envelope, reply_in_context, take_reply};
+use crate::step::{StepFailure, StepPool, StepReply};
 use crate::store::InboxStore;
 use crate::trace;
-
-/// The kind of a step's reply message.
-pub const REPLY_KIND: &str = "step_reply";
-
-/// The reply to `command`: a stable id derived from the command's, the step's answer
-/// and the command id it answers, in the payload. It carries the current span's trace
-/// context (the consumer's, when called from a handler), else the command's, so the
-/// reply stays in the saga's trace either way.
-pub fn reply_envelope(command: &Envelope, reply: &StepReply) -> Envelope {
-    let mut envelope = reply_in_context(command, reply);
-    trace::inject_current(&mut envelope.headers);
-    envelope
-}
-
-/// [`reply_envelope`] with the command's own trace context only: for a batch, which runs
-/// in one delivery's task on behalf of all of them.
-fn reply_in_context(command: &Envelope, reply: &StepReply) -> Envelope {
-    let payload = json!({
-        "command_id": command.id.as_str(),
-        "outcome": reply.outcome.to_record(),
-        "duplicate": reply.duplicate,
-    });
-    let headers: std::collections::BTreeMap<String, String> = command
-        .headers
-        .iter()
-        .filter(|(name, _)| [trace::TRACEPARENT, trace::TRACESTATE].contains(&name.as_str()))
-        .map(|(name, value)| (name.clone(), value.clone()))
-        .collect();
-    Envelope {
-        id: command.id.derived("reply"),
-        kind: REPLY_KIND.to_owned(),
-        saga_id: command.saga_id.clone(),
-        payload,
-        published_at: None,
-        headers,
-    }
-}
-
-/// The command id and answer in a reply's payload.
-fn read_reply(payload: &Value) -> Option<(String, StepReply)> {
-    let command_id = payload.get("command_id")?.as_str()?.to_owned();
-    let outcome = StepOutcome::from_record(payload.get("outcome")?);
-    let duplicate = payload.get("duplicate")?.as_bool()?;
-    Some((command_id, StepReply { outcome, duplicate }))
-}
 
 /// Consumes `<prefix>.<consumer_type of pool>` and delivers each command (of `kinds`)
 /// to `pool`, waiting up to `timeout` for its answer; replies to the sender. A step
@@ -147,8 +99,6 @@ pub async fn serve_step_batched(
     Consumer::spawn(config, options, handler).await
 }
 
-type Waiters = Arc<Mutex<HashMap<String, Vec<oneshot::Sender<StepReply>>>>>;
-
 /// Sends step commands through RabbitMQ and waits for their replies: the
 /// [`Dispatch`] of an orchestrator whose steps run in other processes.
 #[derive(Debug)]
@@ -182,17 +132,17 @@ impl AmqpDispatch {
             consumer_type,
             uuid::Uuid::new_v4().simple()
         );
-        let waiters: Waiters = Arc::default();
+        let waiters = Waiters::default();
         let options = ConsumerOptions {
             consumer_type: consumer_type.clone(),
             kinds: BTreeSet::from([REPLY_KIND.to_owned()]),
             private_queue: Some(reply_queue.clone()),
         };
         let replies = {
-            let waiters = Arc::clone(&waiters);
+            let waiters = waiters.clone();
             Consumer::spawn(config.clone(), options, move |reply: Envelope| {
                 let (guard, consumer_type, waiters) =
-                    (guard.clone(), consumer_type.clone(), Arc::clone(&waiters));
+                    (guard.clone(), consumer_type.clone(), waiters.clone());
                 async move { take_reply(&guard, &consumer_type, &waiters, reply).await }
             })
             .await?
@@ -255,61 +205,9 @@ impl AmqpDispatch {
         Ok(link.publisher.clone())
     }
 
-    /// Drops the waiters of `id` whose receivers are gone (this send's, once it gave
-    /// up), keeping those of concurrent sends of the same command.
     fn forget(&self, id: &MessageId) {
-        let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(senders) = waiters.get_mut(id.as_str()) {
-            senders.retain(|sender| !sender.is_closed());
-            if senders.is_empty() {
-                waiters.remove(id.as_str());
-            }
-        }
+        self.waiters.forget(id);
     }
-}
-
-/// Passes a reply through the orchestrator's inbox and hands the (first) answer to
-/// whoever waits for its command.
-async fn take_reply<S: InboxStore>(
-    guard: &InboxGuard<S>,
-    consumer_type: &ConsumerType,
-    waiters: &Waiters,
-    reply: Envelope,
-) -> Disposition {
-    let processed = guard
-        .process(consumer_type, &reply, async |_conn, reply| {
-            Ok::<_, Infallible>(reply.payload.clone())
-        })
-        .await;
-    // A repeated reply carries the first reply's answer (the inbox record); whether the
-    // step saw this delivery as a duplicate is this reply's own news.
-    let (record, this_duplicate) = match processed {
-        Ok(Outcome::Applied(record)) => (record, None),
-        Ok(Outcome::Duplicate { result, .. }) => (
-            result,
-            reply.payload.get("duplicate").and_then(Value::as_bool),
-        ),
-        Err(GuardError::Inbox(error)) if error.is_retryable() => {
-            return Disposition::Retry(error.to_string());
-        }
-        Err(error) => return Disposition::Reject(error.to_string()),
-    };
-    let Some((command_id, mut answer)) = read_reply(&record) else {
-        return Disposition::Reject(format!(
-            "the reply's payload is not a step reply (command_id, outcome, duplicate): {record}"
-        ));
-    };
-    if let Some(duplicate) = this_duplicate {
-        answer.duplicate = duplicate;
-    }
-    let waiting = waiters
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .remove(&command_id);
-    for waiter in waiting.into_iter().flatten() {
-        let _ = waiter.send(answer.clone());
-    }
-    Disposition::Done { reply: None }
 }
 
 impl Dispatch for AmqpDispatch {
@@ -322,13 +220,7 @@ impl Dispatch for AmqpDispatch {
         // The orchestrator calls this inside its `saga.step` span: the step's span in the
         // other process becomes that span's child.
         trace::inject_current(&mut envelope.headers);
-        let (sender, receiver) = oneshot::channel();
-        self.waiters
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entry(envelope.id.as_str().to_owned())
-            .or_default()
-            .push(sender);
+        let receiver = self.waiters.register(&envelope.id);
         let published = match self.publisher_for(Some(consumer_type)).await {
             Ok(publisher) => {
                 publisher
@@ -361,27 +253,5 @@ impl Dispatch for AmqpDispatch {
                 Err(StepFailure::Timeout(timeout))
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_reply_has_a_stable_id_and_round_trips() {
-        let command = Envelope::new(MessageId::new_v7(), "charge", json!({})).unwrap();
-        let reply = StepReply {
-            outcome: StepOutcome::Refused("declined".into()),
-            duplicate: true,
-        };
-        let first = reply_envelope(&command, &reply);
-        let again = reply_envelope(&command, &reply);
-        assert_eq!(first.id, again.id);
-        assert_ne!(first.id, command.id);
-        assert_eq!(first.id.uuid_v7_time(), command.id.uuid_v7_time());
-        let (command_id, read) = read_reply(&first.payload).unwrap();
-        assert_eq!(command_id, command.id.as_str());
-        assert_eq!(read, reply);
     }
 }
