@@ -73,7 +73,7 @@
 //! - [`delivery`]: [`DeliveryHandler`](delivery::DeliveryHandler) and
 //!   [`Disposition`](delivery::Disposition) — what every transport's consumer hands a
 //!   message to, and how the answer settles it.
-//! - [`reply`]: a step's reply with its stable id, on any transport.
+//! - `reply` (with a transport): a step's reply with its stable id, on any transport.
 //! - [`wire`]: the envelope's JSON body and the reasons a body is refused, on any broker.
 //! - [`retention`]: the broker's real retention, read from the broker, checked against the
 //!   inbox TTL before a transport consumes.
@@ -137,6 +137,7 @@ pub mod outbox;
 #[cfg(feature = "rabbitmq")]
 pub mod participant;
 pub mod pruner;
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub mod reply;
 pub mod retention;
 pub mod saga;
