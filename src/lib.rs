@@ -132,6 +132,8 @@ pub mod inspect;
 pub mod logging;
 pub mod metrics;
 pub mod month;
+#[cfg(feature = "nats")]
+pub mod nats;
 pub mod orchestrator;
 pub mod outbox;
 #[cfg(feature = "rabbitmq")]

@@ -73,7 +73,9 @@ pub fn decode(
 
 /// A header's (last) value, if present.
 pub fn header(headers: &HeaderMap, name: &str) -> Option<String> {
-    headers.get_last(name).map(|value| value.as_str().to_owned())
+    headers
+        .get_last(name)
+        .map(|value| value.as_str().to_owned())
 }
 
 #[cfg(test)]

@@ -98,7 +98,9 @@ impl NatsConfig {
             return config("prefetch is 0: a consumer must hold at least 1 message".into());
         }
         if self.ack_wait < Duration::from_secs(1) {
-            return config("ack_wait is under 1 s: JetStream would redeliver work in flight".into());
+            return config(
+                "ack_wait is under 1 s: JetStream would redeliver work in flight".into(),
+            );
         }
         if self.max_deliver == 0 {
             return config("max_deliver is 0: a message must be delivered at least once".into());
@@ -111,7 +113,9 @@ impl NatsConfig {
             );
         }
         if self.duplicate_window.is_zero() || self.duplicate_window > self.retention {
-            return config("the duplicate window must be above zero and within the retention".into());
+            return config(
+                "the duplicate window must be above zero and within the retention".into(),
+            );
         }
         Ok(())
     }
@@ -195,7 +199,9 @@ mod tests {
     #[test]
     fn bad_settings_are_refused_with_the_reason() {
         assert!(NatsConfig::new("nats://127.0.0.1:4222").validate().is_ok());
-        let error = NatsConfig::new("amqp://guest:secret@x").validate().unwrap_err();
+        let error = NatsConfig::new("amqp://guest:secret@x")
+            .validate()
+            .unwrap_err();
         assert!(error.to_string().contains("nats://"), "{error}");
         assert!(!error.to_string().contains("secret"), "{error}");
         for prefix in ["", "a.b", "a b", "a>"] {
@@ -204,9 +210,21 @@ mod tests {
         }
         let mut config = NatsConfig::new("nats://x");
         config.max_deliver = 0;
-        assert!(config.validate().unwrap_err().to_string().contains("max_deliver"));
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("max_deliver")
+        );
         let config = NatsConfig::new("nats://x").with_retention(Duration::ZERO);
-        assert!(config.validate().unwrap_err().to_string().contains("unbounded"));
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("unbounded")
+        );
     }
 
     #[test]

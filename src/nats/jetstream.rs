@@ -146,6 +146,6 @@ pub async fn publish(
 }
 
 /// A JetStream context on `client`.
-pub fn context(client: &Client) -> Context {
+pub(crate) fn context(client: &Client) -> Context {
     js::new(client.clone())
 }

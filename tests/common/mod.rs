@@ -9,6 +9,8 @@
 pub mod chaos;
 pub mod children;
 pub mod invariants;
+#[cfg(feature = "nats")]
+pub mod jetstream;
 pub mod proxy;
 pub mod rabbit;
 pub mod scrape;

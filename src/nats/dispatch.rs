@@ -1,0 +1,224 @@
+//! Saga steps over NATS JetStream: [`serve_step`] puts a [`StepPool`] behind a consumer
+//! type's work stream, and [`NatsDispatch`] lets the
+//! [`Orchestrator`](crate::orchestrator::Orchestrator) reach such steps in other
+//! processes.
+//!
+//! A command goes to `<prefix>.<consumer_type>` under its stable message id
+//! (`Nats-Msg-Id`), with `x-sagabox-reply-to` naming the orchestrator's private reply
+//! subject. The step's consumer runs it through the step pool (and so through the
+//! step's inbox), publishes the reply over core NATS, and only then acks the command.
+//! Replies pass the orchestrator's own inbox (consumer type `orchestrator`), which
+//! answers a repeated reply with the first one's record.
+//!
+//! A reply lost with a crashed orchestrator costs nothing: the orchestrator's timeout
+//! sends the command again. JetStream would drop that send as a duplicate within its
+//! window when the first one is stored already, so a send the server reports as a
+//! duplicate is published once more under a fresh `Nats-Msg-Id`, its real id in
+//! `x-sagabox-message-id`: it reaches the step, whose inbox answers with the first result.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::Client;
+use async_nats::header::NATS_MESSAGE_ID;
+use async_nats::jetstream::Context;
+use futures_util::StreamExt;
+use tokio::task::JoinHandle;
+
+use super::codec::{self, MESSAGE_ID_HEADER, REPLY_TO_HEADER};
+use super::config::{NatsConfig, NatsError};
+use super::consumer::{Consumer, ConsumerHandle, ConsumerOptions};
+use super::jetstream;
+use crate::delivery::Disposition;
+use crate::envelope::{ConsumerType, Envelope};
+use crate::inbox::{InboxConfig, InboxGuard};
+use crate::orchestrator::Dispatch;
+use crate::reply::{REPLY_KIND, Waiters, reply_envelope, take_reply};
+use crate::step::{StepFailure, StepPool, StepReply};
+use crate::store::InboxStore;
+use crate::trace;
+
+/// Consumes `<prefix>.<consumer_type of pool>` and delivers each command (of `kinds`)
+/// to `pool`, waiting up to `timeout` for its answer; replies to the sender. A step
+/// failure that may pass is redelivered; one the inbox refuses is dead-lettered. The
+/// work stream's retention is checked against `inbox`'s TTL first.
+///
+/// Each message awaits its answer, so the commands in flight are at most the prefetch
+/// (`max_ack_pending`); give a pool made with [`StepPool::spawn_bounded`] to cap the
+/// pool's own queue too.
+pub async fn serve_step(
+    config: NatsConfig,
+    pool: Arc<StepPool>,
+    kinds: impl IntoIterator<Item = String>,
+    timeout: Duration,
+    inbox: &InboxConfig,
+) -> Result<ConsumerHandle, NatsError> {
+    let options =
+        ConsumerOptions::new(pool.consumer_type().clone(), kinds).checked_against(inbox.clone());
+    Consumer::spawn(config, options, move |command: Envelope| {
+        let pool = Arc::clone(&pool);
+        async move {
+            match pool.deliver(command.clone(), timeout).await {
+                Ok(reply) => Disposition::Done {
+                    reply: Some(reply_envelope(&command, &reply)),
+                },
+                Err(StepFailure::Rejected(reason)) => Disposition::Reject(reason),
+                Err(failure) => Disposition::Retry(failure.to_string()),
+            }
+        }
+    })
+    .await
+}
+
+/// Sends step commands through JetStream and waits for their replies: the [`Dispatch`]
+/// of an orchestrator whose steps run in other processes.
+#[derive(Debug)]
+pub struct NatsDispatch {
+    config: NatsConfig,
+    client: Client,
+    context: Context,
+    reply_subject: String,
+    waiters: Waiters,
+    declared: tokio::sync::Mutex<std::collections::HashSet<String>>,
+    replies: std::sync::Mutex<Option<JoinHandle<()>>>,
+}
+
+impl NatsDispatch {
+    /// Connects, and starts taking replies on a private subject through `guard` as
+    /// `consumer_type` (the orchestrator's inbox).
+    pub async fn connect<S: InboxStore>(
+        config: NatsConfig,
+        guard: InboxGuard<S>,
+        consumer_type: ConsumerType,
+    ) -> Result<Self, NatsError> {
+        config.validate()?;
+        let client = jetstream::connect(&config, "dispatch").await?;
+        let context = jetstream::context(&client);
+        let reply_subject = format!(
+            "{}.{}.replies.{}",
+            config.prefix,
+            consumer_type,
+            uuid::Uuid::new_v4().simple()
+        );
+        let mut subscriber = client
+            .subscribe(reply_subject.clone())
+            .await
+            .map_err(NatsError::broker("subscribe to replies"))?;
+        let waiters = Waiters::default();
+        let replies = {
+            let waiters = waiters.clone();
+            let kinds = std::collections::BTreeSet::from([REPLY_KIND.to_owned()]);
+            tokio::spawn(async move {
+                while let Some(message) = subscriber.next().await {
+                    let reply = match codec::decode(
+                        message.headers.as_ref(),
+                        &message.payload,
+                        &kinds,
+                    ) {
+                        Ok(reply) => reply,
+                        Err(malformed) => {
+                            tracing::warn!(%malformed, "dropping a message on the reply subject");
+                            continue;
+                        }
+                    };
+                    // A reply the inbox cannot take now is dropped: the orchestrator's
+                    // timeout asks again, and the step answers with the first result.
+                    if let Disposition::Retry(reason) | Disposition::Reject(reason) =
+                        take_reply(&guard, &consumer_type, &waiters, reply).await
+                    {
+                        tracing::warn!(
+                            reason,
+                            "a reply was not taken; its command will be sent again"
+                        );
+                    }
+                }
+            })
+        };
+        Ok(Self {
+            config,
+            client,
+            context,
+            reply_subject,
+            waiters,
+            declared: tokio::sync::Mutex::default(),
+            replies: std::sync::Mutex::new(Some(replies)),
+        })
+    }
+
+    /// Stops taking replies and drains the connection.
+    pub async fn stop(&self) {
+        let replies = self
+            .replies
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(replies) = replies {
+            replies.abort();
+        }
+        let _ = self.client.drain().await;
+    }
+
+    /// Creates `consumer_type`'s streams the first time a command goes to it, so a
+    /// command sent before its step ever ran is stored, not lost.
+    async fn declare(&self, consumer_type: &ConsumerType) -> Result<(), NatsError> {
+        let mut declared = self.declared.lock().await;
+        if !declared.contains(consumer_type.as_str()) {
+            jetstream::declare(&self.context, &self.config, consumer_type).await?;
+            declared.insert(consumer_type.as_str().to_owned());
+        }
+        Ok(())
+    }
+
+    /// Publishes `envelope` to `consumer_type`'s stream with the reply subject; once more
+    /// under a fresh `Nats-Msg-Id` when the server drops it as a duplicate.
+    async fn send(
+        &self,
+        consumer_type: &ConsumerType,
+        envelope: &Envelope,
+    ) -> Result<(), NatsError> {
+        self.declare(consumer_type).await?;
+        let subject = self.config.subject(consumer_type);
+        let (body, mut headers) = codec::encode(envelope);
+        headers.insert(REPLY_TO_HEADER, self.reply_subject.as_str());
+        let duplicate =
+            jetstream::publish(&self.context, &subject, headers.clone(), body.clone()).await?;
+        if duplicate {
+            headers.insert(MESSAGE_ID_HEADER, envelope.id.as_str());
+            headers.insert(
+                NATS_MESSAGE_ID,
+                format!("{}#resend-{}", envelope.id, uuid::Uuid::new_v4().simple()),
+            );
+            jetstream::publish(&self.context, &subject, headers, body).await?;
+        }
+        Ok(())
+    }
+}
+
+impl Dispatch for NatsDispatch {
+    async fn dispatch(
+        &self,
+        consumer_type: &ConsumerType,
+        mut envelope: Envelope,
+        timeout: Duration,
+    ) -> Result<StepReply, StepFailure> {
+        // The orchestrator calls this inside its `saga.step` span: the step's span in the
+        // other process becomes that span's child.
+        trace::inject_current(&mut envelope.headers);
+        let receiver = self.waiters.register(&envelope.id);
+        if let Err(error) = self.send(consumer_type, &envelope).await {
+            drop(receiver);
+            self.waiters.forget(&envelope.id);
+            return Err(StepFailure::Retryable(error.to_string()));
+        }
+        match tokio::time::timeout(timeout, receiver).await {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(_)) => Err(StepFailure::Retryable(
+                "the reply waiter was dropped before a reply came".into(),
+            )),
+            Err(_) => {
+                self.waiters.forget(&envelope.id);
+                Err(StepFailure::Timeout(timeout))
+            }
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! A NATS JetStream namespace per test: a unique subject prefix, the streams it used
+//! deleted when the fixture drops (also after a panic); and [`OwnServer`], a
+//! `nats-server` of the test's own on a free port, for tests that stop the server.
+//!
+//! NATS is found at `NATS_URL`, else `nats://127.0.0.1:4222`. A test that cannot reach
+//! it fails with a message that says so; it never skips.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, Context};
+use sagabox::ConsumerType;
+use sagabox::nats::NatsConfig;
+
+/// The default server for tests.
+pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
+
+/// The server URL tests use.
+pub fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| DEFAULT_NATS_URL.to_owned())
+}
+
+/// A unique prefix on a NATS server, and a plain JetStream client on it.
+pub struct Js {
+    pub config: NatsConfig,
+    pub client: async_nats::Client,
+    pub context: Context,
+    streams: Mutex<Vec<String>>,
+}
+
+impl Js {
+    /// Connects to the shared test server; the streams of `consumer_types` are deleted
+    /// on drop.
+    pub async fn new(consumer_types: &[&str]) -> Self {
+        Self::on(&nats_url(), consumer_types).await
+    }
+
+    /// Connects to the server at `url`.
+    pub async fn on(url: &str, consumer_types: &[&str]) -> Self {
+        let client = async_nats::connect(url).await.unwrap_or_else(|error| {
+            panic!(
+                "cannot connect to NATS at {url}: {error}\n\
+                 start it (nats-server -js) or point NATS_URL at a server with JetStream"
+            )
+        });
+        let prefix = format!("sagabox-test-{}", uuid::Uuid::new_v4().simple());
+        let mut config = NatsConfig::new(url).with_prefix(prefix);
+        // Redeliveries of unacked messages within a test's patience.
+        config.ack_wait = Duration::from_secs(2);
+        let mut streams = Vec::new();
+        for consumer_type in consumer_types {
+            let consumer_type = ConsumerType::new(*consumer_type).expect("consumer type");
+            streams.push(config.stream(&consumer_type));
+            streams.push(config.dead_stream(&consumer_type));
+        }
+        Self {
+            config,
+            context: jetstream::new(client.clone()),
+            client,
+            streams: Mutex::new(streams),
+        }
+    }
+
+    /// `consumer_type` as the library's type.
+    pub fn consumer_type(consumer_type: &str) -> ConsumerType {
+        ConsumerType::new(consumer_type).expect("consumer type")
+    }
+
+    /// The subject of `consumer_type`.
+    pub fn subject(&self, consumer_type: &str) -> String {
+        self.config.subject(&Self::consumer_type(consumer_type))
+    }
+
+    /// Creates `consumer_type`'s streams as the library does.
+    pub async fn declare(&self, consumer_type: &str) {
+        sagabox::nats::declare(
+            &self.context,
+            &self.config,
+            &Self::consumer_type(consumer_type),
+        )
+        .await
+        .expect("declare");
+    }
+
+    /// Publishes `body` with `headers` as a plain JetStream client would; `true` when the
+    /// server dropped it as a duplicate.
+    pub async fn publish_raw(&self, subject: &str, headers: HeaderMap, body: Vec<u8>) -> bool {
+        self.context
+            .publish_with_headers(subject.to_owned(), headers, body.into())
+            .await
+            .expect("publish")
+            .await
+            .expect("stored")
+            .duplicate
+    }
+
+    /// Messages left in `stream` (for a work queue: not yet acked).
+    pub async fn messages(&self, stream: &str) -> u64 {
+        let mut stream = self.context.get_stream(stream).await.expect("stream");
+        stream.info().await.expect("stream info").state.messages
+    }
+
+    /// Messages left in `consumer_type`'s work stream.
+    pub async fn pending(&self, consumer_type: &str) -> u64 {
+        self.messages(&self.config.stream(&Self::consumer_type(consumer_type)))
+            .await
+    }
+
+    /// Messages in `consumer_type`'s dead-letter stream.
+    pub async fn dead(&self, consumer_type: &str) -> u64 {
+        self.messages(&self.config.dead_stream(&Self::consumer_type(consumer_type)))
+            .await
+    }
+
+    /// The dead letters of `consumer_type`: each one's headers.
+    pub async fn dead_headers(&self, consumer_type: &str) -> Vec<HeaderMap> {
+        let stream = self
+            .context
+            .get_stream(self.config.dead_stream(&Self::consumer_type(consumer_type)))
+            .await
+            .expect("dead stream");
+        let mut all = Vec::new();
+        let mut sequence = 1;
+        while let Ok(message) = stream.get_raw_message(sequence).await {
+            all.push(message.headers);
+            sequence += 1;
+        }
+        all
+    }
+}
+
+impl Drop for Js {
+    fn drop(&mut self) {
+        let streams = std::mem::take(&mut *self.streams.lock().unwrap_or_else(|e| e.into_inner()));
+        let url = self.config.url.clone();
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async move {
+                let Ok(client) = async_nats::connect(url).await else {
+                    return;
+                };
+                let context = jetstream::new(client);
+                for stream in streams {
+                    let _ = context.delete_stream(stream).await;
+                }
+            })
+        })
+        .join();
+    }
+}
+
+/// A `nats-server -js` of the test's own, on a free port, storing in a temporary
+/// folder; stopped (and the folder removed) on drop. `stop` and `start` again keep the
+/// folder, as a server restart does.
+pub struct OwnServer {
+    pub port: u16,
+    store: PathBuf,
+    child: Option<Child>,
+}
+
+use std::path::PathBuf;
+
+impl OwnServer {
+    /// Starts one and waits until it answers.
+    pub async fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .expect("a free port")
+            .local_addr()
+            .expect("its address")
+            .port();
+        let store =
+            std::env::temp_dir().join(format!("sagabox-nats-{}", uuid::Uuid::new_v4().simple()));
+        let mut server = Self {
+            port,
+            store,
+            child: None,
+        };
+        server.restart().await;
+        server
+    }
+
+    /// Its URL.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills it at once, as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Stops it as an operator's restart does (SIGTERM: it finishes writing its state).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill").arg(child.id().to_string()).status();
+            let _ = child.wait();
+        }
+    }
+
+    /// Stops it and starts it again on the same port and store, and waits until it
+    /// answers.
+    pub async fn restart(&mut self) {
+        self.stop();
+        let child = Command::new(server_binary())
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(&self.store)
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(
+                std::fs::File::create(self.store.with_extension("log")).expect("server log"),
+            ))
+            .spawn()
+            .unwrap_or_else(|error| {
+                panic!(
+                    "cannot start {}: {error}; is nats-server installed?",
+                    server_binary()
+                )
+            });
+        self.child = Some(child);
+        for _ in 0..100 {
+            let probe = async {
+                let client = async_nats::connect(self.url()).await.ok()?;
+                // JetStream answers a little after the port does.
+                client.request("$JS.API.INFO", "".into()).await.ok()
+            };
+            if let Ok(Some(_)) = tokio::time::timeout(Duration::from_secs(1), probe).await {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!(
+            "nats-server on port {} did not come up; its log: {}",
+            self.port,
+            std::fs::read_to_string(self.store.with_extension("log")).unwrap_or_default()
+        );
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.store);
+        let _ = std::fs::remove_file(self.store.with_extension("log"));
+    }
+}
+
+/// The `nats-server` to run: `NATS_SERVER`, else Debian's.
+fn server_binary() -> String {
+    std::env::var("NATS_SERVER").unwrap_or_else(|_| "/usr/sbin/nats-server".to_owned())
+}
