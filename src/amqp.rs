@@ -18,22 +18,26 @@
 //! Queues are `<prefix>.<consumer_type>` (durable) with `<prefix>.<consumer_type>.dead`
 //! for dead letters; the prefix defaults to `sagabox`.
 
-mod batching;
 mod broker;
 pub mod codec;
 mod config;
 mod consumer;
 mod dispatch;
 mod dlq;
-mod orchestrate;
-mod relay;
 
+pub use crate::batching::Batching;
 pub use crate::delivery::{
     ATTEMPTS_HEADER, ConsumerStats, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler,
     Disposition,
 };
+pub use crate::orchestrate::{
+    ORCHESTRATOR_CONSUMER, OrchestrateConfig, OrchestrateError, STARTED_KIND, orchestrate,
+    start_queue,
+};
+pub use crate::relay::{
+    OutboxSource, Relay, RelayArguments, RelayConfig, RelayError, RelayMessage, RelayState,
+};
 pub use crate::reply::{REPLY_KIND, reply_envelope};
-pub use batching::Batching;
 pub use broker::{Publisher, Routing, connect, declare};
 pub use config::{AmqpConfig, AmqpError};
 pub use consumer::{Consumer, ConsumerHandle, ConsumerOptions};
@@ -41,11 +45,4 @@ pub use dispatch::{AmqpDispatch, serve_step, serve_step_batched};
 pub use dlq::{
     DEAD_SUFFIX, DeadLetter, DeadLetterList, DeadLetterQueue, DlqError, REPLAYED_HEADER,
     ReplayOptions, ReplayReport, queue_names,
-};
-pub use orchestrate::{
-    ORCHESTRATOR_CONSUMER, OrchestrateConfig, OrchestrateError, STARTED_KIND, orchestrate,
-    start_queue,
-};
-pub use relay::{
-    OutboxSource, Relay, RelayArguments, RelayConfig, RelayError, RelayMessage, RelayState,
 };

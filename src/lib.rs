@@ -123,6 +123,8 @@
 
 #[cfg(feature = "rabbitmq")]
 pub mod amqp;
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+pub mod batching;
 pub mod clock;
 pub mod database;
 pub mod delivery;
@@ -134,11 +136,15 @@ pub mod metrics;
 pub mod month;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+pub mod orchestrate;
 pub mod orchestrator;
 pub mod outbox;
-#[cfg(feature = "rabbitmq")]
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub mod participant;
 pub mod pruner;
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+pub mod relay;
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub mod reply;
 pub mod retention;
@@ -148,13 +154,15 @@ pub mod store;
 pub mod supervisor;
 pub mod testing;
 pub mod trace;
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+pub mod transport;
 pub mod wire;
 
 pub use clock::{Clock, InvalidClockSpeed, ManualClock, ScaledClock, SystemClock};
 pub use envelope::{ConsumerType, Envelope, KeyError, MAX_KEY_BYTES, MessageId};
 pub use inbox::{ConfigError, GuardError, InboxConfig, InboxError, InboxGuard, MAX_BATCH, Outcome};
 pub use month::Month;
-#[cfg(feature = "rabbitmq")]
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub use participant::{Participant, ParticipantError, ParticipantHandle, ParticipantReport};
 #[cfg(feature = "postgres")]
 pub use store::PostgresStore;

@@ -1,15 +1,17 @@
-//! The [`Participant`] runtime (feature `rabbitmq`): a team's own step handlers behind
-//! RabbitMQ, with everything a participant service runs around them, until a shutdown
-//! signal.
+//! The [`Participant`] runtime (feature `rabbitmq` or `nats`): a team's own step
+//! handlers behind a broker — RabbitMQ or NATS JetStream, a [`Transport`] — with
+//! everything a participant service runs around them, until a shutdown signal.
 //!
 //! For each hosted step, under its consumer type:
 //!
-//! - its queue `<prefix>.<consumer_type>` is consumed with [`Consumer`](crate::amqp::Consumer)
-//!   (acks after commit, bad input dead-lettered, retryable failures requeued);
+//! - its queue or stream `<prefix>.<consumer_type>` is consumed
+//!   ([`transport::serve_step`](crate::transport::serve_step): acks after commit, bad
+//!   input dead-lettered, retryable failures redelivered; a JetStream stream's retention
+//!   checked against the inbox TTL first);
 //! - every delivery is handed to the step's [`StepPool`] — a ractor factory of competing
 //!   workers linked to one [`Supervision`] — and the consumer awaits the pool's answer
 //!   before it acks and replies to `reply_to`. In-flight work is therefore bounded by the
-//!   broker's prefetch ([`AmqpConfig::prefetch`]): the broker's queue is the one queue.
+//!   broker's prefetch ([`Transport::prefetch`]): the broker's queue is the one queue.
 //!   The pool's own queue, unbounded in a plain [`StepPool`], is capped at the prefetch
 //!   ([`StepPool::spawn_bounded`]), so commands left behind by deliveries that timed out
 //!   cannot pile up in it either.
@@ -76,17 +78,15 @@ pub use error::ParticipantError;
 pub use handle::ParticipantHandle;
 pub use report::{ParticipantReport, PrunerReport, StepReport};
 
-use crate::amqp::{
-    AmqpConfig, OutboxSource, Relay, RelayArguments, RelayConfig, RelayMessage, serve_step,
-    serve_step_batched,
-};
 use crate::clock::Clock;
 use crate::envelope::ConsumerType;
 use crate::inbox::{InboxConfig, InboxGuard};
 use crate::pruner::{Pruner, PrunerArguments};
+use crate::relay::{OutboxSource, Relay, RelayArguments, RelayConfig, RelayMessage};
 use crate::step::{StepHandler, StepPool, StepPoolConfig};
 use crate::store::InboxStore;
 use crate::supervisor::Supervision;
+use crate::transport::{self, Transport};
 use report::Tallied;
 
 /// The label of the relay actor in [`ParticipantError::ActorDied`] reports.
@@ -179,7 +179,7 @@ pub const BATCH_LINGER: Duration = Duration::from_millis(2);
 /// [`ParticipantError`] naming what is wrong.
 pub struct Participant<S: InboxStore> {
     store: S,
-    amqp: AmqpConfig,
+    transport: Transport,
     inbox: InboxConfig,
     clock: Option<SharedClock>,
     steps: Vec<Step<S>>,
@@ -239,14 +239,14 @@ impl<S: InboxStore, H: StepHandler<S::Db>> HostStep<S> for Hosted<H> {
 /// such bound.
 type SpawnRelay<S> = for<'a> fn(
     S,
-    AmqpConfig,
+    Transport,
     RelayConfig,
     &'a Supervision,
 ) -> BoxFuture<'a, Result<ActorRef<RelayMessage>, SpawnErr>>;
 
 fn spawn_relay<'a, P>(
     source: P,
-    amqp: AmqpConfig,
+    transport: Transport,
     config: RelayConfig,
     supervision: &'a Supervision,
 ) -> BoxFuture<'a, Result<ActorRef<RelayMessage>, SpawnErr>>
@@ -257,7 +257,7 @@ where
     Box::pin(async move {
         let arguments = RelayArguments {
             source,
-            amqp,
+            transport,
             config,
         };
         let (relay, _) = supervision.spawn(RELAY, Relay::new(), arguments).await?;
@@ -279,7 +279,8 @@ impl<S: InboxStore> fmt::Debug for Participant<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Participant")
             .field("store", &self.store)
-            .field("queue_prefix", &self.amqp.queue_prefix)
+            .field("broker", &self.transport.broker())
+            .field("prefix", &self.transport.prefix())
             .field(
                 "steps",
                 &self
@@ -308,11 +309,13 @@ struct Checked {
 
 impl<S: InboxStore + Clone> Participant<S> {
     /// A participant on `store` (the inbox, the handlers' tables and the outbox live in
-    /// its database) and the broker in `amqp` (its URL, queue prefix, prefetch).
-    pub fn new(store: S, amqp: AmqpConfig) -> Self {
+    /// its database) and the broker in `transport` (an
+    /// [`AmqpConfig`](crate::amqp::AmqpConfig), a [`NatsConfig`](crate::nats::NatsConfig)
+    /// or [`Transport::from_url`]: its URL, prefix, prefetch).
+    pub fn new(store: S, transport: impl Into<Transport>) -> Self {
         Self {
             store,
-            amqp,
+            transport: transport.into(),
             inbox: InboxConfig::default(),
             clock: None,
             steps: Vec::new(),
@@ -423,7 +426,7 @@ impl<S: InboxStore + Clone> Participant<S> {
         if self.steps.is_empty() {
             return Err(ParticipantError::NoSteps);
         }
-        self.amqp.validate()?;
+        self.transport.validate()?;
         self.inbox.validate()?;
         let mut seen = HashSet::new();
         let mut checked = Vec::with_capacity(self.steps.len());
@@ -449,7 +452,7 @@ impl<S: InboxStore + Clone> Participant<S> {
                 return Err(ParticipantError::EmptyKind { consumer_type });
             }
             let batch = step.options.batch.unwrap_or(1);
-            let prefetch = usize::from(self.amqp.prefetch);
+            let prefetch = usize::from(self.transport.prefetch());
             if batch == 0 || batch > prefetch {
                 return Err(ParticipantError::InvalidBatch {
                     consumer_type,
@@ -487,7 +490,7 @@ impl<S: InboxStore + Clone> Participant<S> {
     /// with a handle to stop it. On an error nothing is left running.
     pub async fn start(self) -> Result<ParticipantHandle, ParticipantError> {
         let checked = self.check()?;
-        let prefetch = usize::from(self.amqp.prefetch);
+        let prefetch = usize::from(self.transport.prefetch());
         for step in &checked {
             if step.workers > prefetch {
                 tracing::warn!(
@@ -507,7 +510,8 @@ impl<S: InboxStore + Clone> Participant<S> {
         #[cfg(not(feature = "prometheus"))]
         let metrics_addr = None;
 
-        let mut guard = InboxGuard::new(self.store.clone(), self.inbox.clone())?;
+        let inbox = self.inbox.clone();
+        let mut guard = InboxGuard::new(self.store.clone(), self.inbox)?;
         if let Some(clock) = self.clock {
             guard = guard.with_clock(clock);
         }
@@ -525,7 +529,7 @@ impl<S: InboxStore + Clone> Participant<S> {
             &mut handle,
             guard,
             self.store,
-            self.amqp,
+            self.transport.with_retention_of(&inbox),
             self.steps,
             checked,
             self.relay,
@@ -550,14 +554,14 @@ impl<S: InboxStore + Clone> Participant<S> {
         handle: &mut ParticipantHandle,
         guard: InboxGuard<S>,
         store: S,
-        amqp: AmqpConfig,
+        transport: Transport,
         steps: Vec<Step<S>>,
         checked: Vec<Checked>,
         relay: Option<(RelayConfig, SpawnRelay<S>)>,
         pruner: Option<PrunerSettings>,
     ) -> Result<(), ParticipantError> {
         // The pools' queues hold at most what the broker lets the consumer hold.
-        let queue_limit = usize::from(amqp.prefetch);
+        let queue_limit = usize::from(transport.prefetch());
         for (step, checked) in steps.into_iter().zip(checked) {
             let label = format!("step pool {}", checked.consumer_type);
             let pool = step
@@ -575,21 +579,17 @@ impl<S: InboxStore + Clone> Participant<S> {
                     source,
                 })?;
             let cell = pool.cell();
-            let queue = amqp.queue(pool.consumer_type());
-            let pool = Arc::new(pool);
-            let consumer = if checked.batch > 1 {
-                serve_step_batched(
-                    amqp.clone(),
-                    pool,
-                    step.options.kinds,
-                    checked.timeout,
-                    checked.batch,
-                    BATCH_LINGER,
-                )
-                .await?
-            } else {
-                serve_step(amqp.clone(), pool, step.options.kinds, checked.timeout).await?
-            };
+            let queue = transport.destination(pool.consumer_type());
+            let consumer = transport::serve_step(
+                &transport,
+                Arc::new(pool),
+                step.options.kinds.into_iter().collect(),
+                checked.timeout,
+                checked.batch,
+                BATCH_LINGER,
+                guard.config(),
+            )
+            .await?;
             handle.add_step(
                 checked.consumer_type,
                 queue,
@@ -599,7 +599,7 @@ impl<S: InboxStore + Clone> Participant<S> {
             );
         }
         if let Some((config, spawn)) = relay {
-            let relay = spawn(store, amqp, config, handle.supervision())
+            let relay = spawn(store, transport, config, handle.supervision())
                 .await
                 .map_err(|source| ParticipantError::Spawn {
                     actor: RELAY.into(),

@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
@@ -16,7 +17,7 @@ use tokio::sync::oneshot;
 use crate::delivery::Disposition;
 use crate::envelope::{ConsumerType, Envelope, MessageId};
 use crate::inbox::{GuardError, InboxGuard, Outcome};
-use crate::step::{StepOutcome, StepReply};
+use crate::step::{StepFailure, StepOutcome, StepPool, StepReply};
 use crate::store::InboxStore;
 use crate::trace;
 
@@ -35,7 +36,7 @@ pub fn reply_envelope(command: &Envelope, reply: &StepReply) -> Envelope {
 
 /// [`reply_envelope`] with the command's own trace context only: for a batch, which runs
 /// in one delivery's task on behalf of all of them.
-pub(crate) fn reply_in_context(command: &Envelope, reply: &StepReply) -> Envelope {
+fn reply_in_context(command: &Envelope, reply: &StepReply) -> Envelope {
     let payload = json!({
         "command_id": command.id.as_str(),
         "outcome": reply.outcome.to_record(),
@@ -63,6 +64,34 @@ fn read_reply(payload: &Value) -> Option<(String, StepReply)> {
     let outcome = StepOutcome::from_record(payload.get("outcome")?);
     let duplicate = payload.get("duplicate")?.as_bool()?;
     Some((command_id, StepReply { outcome, duplicate }))
+}
+
+/// Runs `commands` as one batch through `pool` (one transaction), waiting up to
+/// `timeout`, and settles each by its own answer: done with its reply, dead-lettered
+/// when refused by the inbox, retried otherwise; a batch that failed as a whole retries
+/// every command.
+pub(crate) async fn batch_dispositions(
+    pool: &StepPool,
+    commands: Vec<Envelope>,
+    timeout: Duration,
+) -> Vec<Disposition> {
+    match pool.deliver_batch(commands.clone(), timeout).await {
+        Ok(answers) => commands
+            .iter()
+            .zip(answers)
+            .map(|(command, answer)| match answer {
+                Ok(reply) => Disposition::Done {
+                    reply: Some(reply_in_context(command, &reply)),
+                },
+                Err(StepFailure::Rejected(reason)) => Disposition::Reject(reason),
+                Err(failure) => Disposition::Retry(failure.to_string()),
+            })
+            .collect(),
+        Err(failure) => commands
+            .iter()
+            .map(|_| Disposition::Retry(failure.to_string()))
+            .collect(),
+    }
 }
 
 /// The senders waiting for the reply to each command id.

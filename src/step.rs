@@ -593,7 +593,7 @@ impl StepPool {
     }
 
     /// The pool's actor, for an operator's diagnostics (its supervision, its children).
-    #[cfg(feature = "rabbitmq")]
+    #[cfg(any(feature = "rabbitmq", feature = "nats"))]
     pub(crate) fn cell(&self) -> ractor::ActorCell {
         self.factory.get_cell()
     }

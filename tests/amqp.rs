@@ -405,7 +405,7 @@ async fn rows_published_by_a_relay_that_failed_before_marking_go_again_and_apply
         Relay::new(),
         RelayArguments {
             source: pg.pool.clone(),
-            amqp: rabbit.config.clone(),
+            transport: rabbit.config.clone().into(),
             config: relay_config(),
         },
     )
@@ -477,7 +477,7 @@ async fn several_relays_publish_each_row_once_in_order_per_aggregate() {
                     Relay::new(),
                     RelayArguments {
                         source: pool,
-                        amqp: rabbit.config.clone(),
+                        transport: rabbit.config.clone().into(),
                         config: relay_config(),
                     },
                 )
@@ -627,7 +627,7 @@ async fn the_relay_reconnects_after_the_broker_closes_its_connection() {
         Relay::new(),
         RelayArguments {
             source: pg.pool.clone(),
-            amqp: rabbit.config.clone(),
+            transport: rabbit.config.clone().into(),
             config: relay_config(),
         },
     )
@@ -891,7 +891,7 @@ async fn the_relay_rides_through_database_cuts_and_refusals() {
         Relay::new(),
         RelayArguments {
             source: pool,
-            amqp: rabbit.config.clone(),
+            transport: rabbit.config.clone().into(),
             config: relay_config(),
         },
     )

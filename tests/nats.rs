@@ -7,6 +7,9 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+#[path = "common/jetstream.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod jetstream;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
@@ -15,7 +18,7 @@ use std::time::Duration;
 use async_nats::HeaderMap;
 use async_nats::jetstream::stream::{self, RetentionPolicy};
 use common::Pg;
-use common::jetstream::{Js, OwnServer};
+use jetstream::{Js, OwnServer};
 use sagabox::delivery::{DEAD_REASON_HEADER, Disposition};
 use sagabox::nats::{
     Consumer, ConsumerHandle, ConsumerOptions, NatsDispatch, NatsError, codec, serve_step,
@@ -322,6 +325,8 @@ async fn the_orchestrator_reaches_a_step_through_jetstream_and_repeats_get_the_f
         Arc::new(pool),
         ["charge".to_owned()],
         Duration::from_secs(5),
+        1,
+        Duration::ZERO,
         guard.config(),
     )
     .await

@@ -684,7 +684,7 @@ async fn bad_settings_are_refused_with_typed_errors() {
     let mut no_prefetch = amqp.clone();
     no_prefetch.prefetch = 0;
     let prefetch = refused(Participant::new(store.clone(), no_prefetch).step("notify", Notify));
-    assert!(matches!(prefetch, ParticipantError::Amqp(_)), "{prefetch}");
+    assert!(matches!(prefetch, ParticipantError::Transport(_)), "{prefetch}");
     assert!(base().step("notify", Notify).validate().is_ok());
 
     // Start checks the same before touching anything.

@@ -623,16 +623,17 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                     });
                 definitions.push(definition);
             }
-            let amqp = sagabox::amqp::AmqpConfig::new(transport).with_queue_prefix(queue_prefix);
-            if let Err(error) = amqp.validate() {
-                usage_error("orchestrate", format_args!("--transport: {error}"));
-            }
+            let transport = sagabox::transport::Transport::from_url(&transport, &queue_prefix)
+                .and_then(|transport| transport.validate().map(|()| transport))
+                .unwrap_or_else(|error| {
+                    usage_error("orchestrate", format_args!("--transport: {error}"))
+                });
             if let Some(addr) = metrics_addr {
                 start_metrics(&addr).map_err(|error| failed("orchestrate", error, false))?;
             }
             let config = sagabox::amqp::OrchestrateConfig {
                 definitions,
-                amqp,
+                transport,
                 resume_interval: Duration::from_millis(resume_interval_ms),
                 history_retention: (history_retention_days > 0)
                     .then(|| Duration::from_secs(history_retention_days.saturating_mul(86_400))),

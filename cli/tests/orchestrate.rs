@@ -86,7 +86,7 @@ async fn orchestrate_drives_trips_whose_participants_run_elsewhere_and_a_repeate
         .spawn()
         .unwrap();
     let mut children = common::children::Children::new(vec![orchestrator]);
-    let starts = start_queue(&rabbit.config, "trip").unwrap();
+    let starts = start_queue(&rabbit.config.clone().into(), "trip").unwrap();
     let deadline = Instant::now() + BOUND;
     while rabbit.consumers(&starts).await == 0 {
         assert!(
@@ -254,7 +254,7 @@ async fn serve_all_runs_checkout_sagas_from_start_messages_once_each() {
         .spawn()
         .unwrap();
     let mut children = common::children::Children::new(vec![serve]);
-    let starts = start_queue(&rabbit.config, "checkout").unwrap();
+    let starts = start_queue(&rabbit.config.clone().into(), "checkout").unwrap();
     let deadline = Instant::now() + BOUND;
     while rabbit.consumers(&starts).await == 0
         || rabbit.consumers(&rabbit.queue("email")).await == 0

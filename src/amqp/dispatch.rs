@@ -16,15 +16,15 @@ use std::collections::{BTreeSet, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use super::batching::Batching;
 use super::broker::{self, Publisher, Routing};
 use super::config::{AmqpConfig, AmqpError};
 use super::consumer::{Consumer, ConsumerHandle, ConsumerOptions};
+use crate::batching::Batching;
 use crate::delivery::Disposition;
 use crate::envelope::{ConsumerType, Envelope, MessageId};
 use crate::inbox::InboxGuard;
 use crate::orchestrator::Dispatch;
-use crate::reply::{REPLY_KIND, Waiters, reply_envelope, reply_in_context, take_reply};
+use crate::reply::{REPLY_KIND, Waiters, batch_dispositions, reply_envelope, take_reply};
 use crate::step::{StepFailure, StepPool, StepReply};
 use crate::store::InboxStore;
 use crate::trace;
@@ -76,25 +76,7 @@ pub async fn serve_step_batched(
     let options = ConsumerOptions::new(pool.consumer_type().clone(), kinds);
     let handler = Batching::new(max, linger, move |commands: Vec<Envelope>| {
         let pool = Arc::clone(&pool);
-        async move {
-            match pool.deliver_batch(commands.clone(), timeout).await {
-                Ok(answers) => commands
-                    .iter()
-                    .zip(answers)
-                    .map(|(command, answer)| match answer {
-                        Ok(reply) => Disposition::Done {
-                            reply: Some(reply_in_context(command, &reply)),
-                        },
-                        Err(StepFailure::Rejected(reason)) => Disposition::Reject(reason),
-                        Err(failure) => Disposition::Retry(failure.to_string()),
-                    })
-                    .collect(),
-                Err(failure) => commands
-                    .iter()
-                    .map(|_| Disposition::Retry(failure.to_string()))
-                    .collect(),
-            }
-        }
+        async move { batch_dispositions(&pool, commands, timeout).await }
     });
     Consumer::spawn(config, options, handler).await
 }

@@ -29,9 +29,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
+use async_nats::Client;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{AckKind, Context, Message};
-use async_nats::Client;
 use futures_util::{FutureExt, StreamExt};
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};

@@ -29,11 +29,12 @@ use super::codec::{self, MESSAGE_ID_HEADER, REPLY_TO_HEADER};
 use super::config::{NatsConfig, NatsError};
 use super::consumer::{Consumer, ConsumerHandle, ConsumerOptions};
 use super::jetstream;
+use crate::batching::Batching;
 use crate::delivery::Disposition;
 use crate::envelope::{ConsumerType, Envelope};
 use crate::inbox::{InboxConfig, InboxGuard};
 use crate::orchestrator::Dispatch;
-use crate::reply::{REPLY_KIND, Waiters, reply_envelope, take_reply};
+use crate::reply::{REPLY_KIND, Waiters, batch_dispositions, reply_envelope, take_reply};
 use crate::step::{StepFailure, StepPool, StepReply};
 use crate::store::InboxStore;
 use crate::trace;
@@ -45,16 +46,28 @@ use crate::trace;
 ///
 /// Each message awaits its answer, so the commands in flight are at most the prefetch
 /// (`max_ack_pending`); give a pool made with [`StepPool::spawn_bounded`] to cap the
-/// pool's own queue too.
+/// pool's own queue too. With `batch` above 1, the messages the consumer holds at once
+/// are gathered into batches of up to `batch` (closed after `linger`) and claimed with
+/// [`StepPool::deliver_batch`]: one transaction per batch, each command still replied
+/// to and acked on its own.
 pub async fn serve_step(
     config: NatsConfig,
     pool: Arc<StepPool>,
     kinds: impl IntoIterator<Item = String>,
     timeout: Duration,
+    batch: usize,
+    linger: Duration,
     inbox: &InboxConfig,
 ) -> Result<ConsumerHandle, NatsError> {
     let options =
         ConsumerOptions::new(pool.consumer_type().clone(), kinds).checked_against(inbox.clone());
+    if batch > 1 {
+        let handler = Batching::new(batch, linger, move |commands: Vec<Envelope>| {
+            let pool = Arc::clone(&pool);
+            async move { batch_dispositions(&pool, commands, timeout).await }
+        });
+        return Consumer::spawn(config, options, handler).await;
+    }
     Consumer::spawn(config, options, move |command: Envelope| {
         let pool = Arc::clone(&pool);
         async move {

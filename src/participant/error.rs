@@ -2,10 +2,10 @@
 
 use ractor::SpawnErr;
 
-use crate::amqp::AmqpError;
 use crate::envelope::{ConsumerType, KeyError};
 use crate::inbox::{ConfigError, InboxError};
 use crate::supervisor::ActorDied;
+use crate::transport::TransportError;
 
 /// Why a [`Participant`](super::Participant) refused to start, failed to, or ended.
 #[derive(Debug, thiserror::Error)]
@@ -74,9 +74,10 @@ pub enum ParticipantError {
     /// Preparing the inbox (migrations, partitions) failed.
     #[error("preparing the inbox failed: {0}")]
     Inbox(#[from] InboxError),
-    /// The broker's settings were refused, or it could not be reached at start.
+    /// The broker's settings were refused, or it could not be reached at start (or a
+    /// stream's retention is longer than the inbox TTL).
     #[error(transparent)]
-    Amqp(#[from] AmqpError),
+    Transport(#[from] TransportError),
     /// The Prometheus endpoint could not start.
     #[cfg(feature = "prometheus")]
     #[cfg_attr(docsrs, doc(cfg(feature = "prometheus")))]

@@ -9,8 +9,6 @@
 pub mod chaos;
 pub mod children;
 pub mod invariants;
-#[cfg(feature = "nats")]
-pub mod jetstream;
 pub mod proxy;
 pub mod rabbit;
 pub mod scrape;

@@ -336,10 +336,10 @@ async fn serve_on<S>(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), DemoError>
 where
-    S: InboxStore + SagaStore + sagabox::amqp::OutboxSource + Clone,
-    sagabox::amqp::Relay<S>: ractor::Actor<
-            Msg = sagabox::amqp::RelayMessage,
-            Arguments = sagabox::amqp::RelayArguments<S>,
+    S: InboxStore + SagaStore + sagabox::relay::OutboxSource + Clone,
+    sagabox::relay::Relay<S>: ractor::Actor<
+            Msg = sagabox::relay::RelayMessage,
+            Arguments = sagabox::relay::RelayArguments<S>,
         >,
     CheckoutStep: StepHandler<<S as InboxStore>::Db>,
 {
@@ -378,7 +378,7 @@ where
         }
         let orchestrate_config = OrchestrateConfig {
             definitions: vec![definition.clone()],
-            amqp: config.amqp.clone(),
+            transport: config.amqp.clone().into(),
             resume_interval: config.resume_interval,
             history_retention: Some(sagabox::saga::DEFAULT_HISTORY_RETENTION),
         };

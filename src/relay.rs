@@ -1,11 +1,13 @@
-//! The [`Relay`] actor: publishes committed outbox rows to RabbitMQ, at least once, in
-//! `seq` order per aggregate, and marks them sent only after the broker confirmed them.
+//! The [`Relay`] actor: publishes committed outbox rows to the broker (RabbitMQ or NATS
+//! JetStream, a [`Transport`]), at least once, in `seq` order per aggregate, and marks
+//! them sent only after the broker confirmed them.
 //!
 //! A pass takes up to [`RelayConfig::batch`] rows in one transaction
 //! ([`OutboxReader::claim`]: on PostgreSQL, aggregate locks plus `FOR UPDATE SKIP
 //! LOCKED`, so several relays share the work without publishing a row twice), publishes
-//! them in order on one confirm-mode channel, waits for every confirm, marks the
-//! confirmed prefix sent, and commits. A crash between publish and commit leaves the rows
+//! them in order (RabbitMQ: on one confirm-mode channel; JetStream: each under its
+//! message id as `Nats-Msg-Id`, so the server's duplicate window drops a re-publish),
+//! waits for every confirm, marks the confirmed prefix sent, and commits. A crash between publish and commit leaves the rows
 //! pending: they are published again, with the same message id, and the consumer's inbox
 //! absorbs the repeat.
 //!
@@ -21,10 +23,12 @@ use chrono::Utc;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use sqlx::Database;
 
-use super::broker::{self, Publisher, Routing};
-use super::codec;
-use super::config::{AmqpConfig, AmqpError};
+#[cfg(feature = "rabbitmq")]
+use crate::amqp::{self, Publisher, Routing, codec};
+#[cfg(feature = "nats")]
+use crate::nats;
 use crate::outbox::{OutboxReader, OutboxRow};
+use crate::transport::{Transport, TransportError};
 
 /// How often and how much the relay publishes.
 #[derive(Debug, Clone)]
@@ -56,7 +60,7 @@ impl Default for RelayConfig {
 pub enum RelayError {
     /// The broker failed.
     #[error(transparent)]
-    Broker(#[from] AmqpError),
+    Broker(#[from] TransportError),
     /// The database failed.
     #[error("outbox database error: {}", crate::database::describe(.0))]
     Database(#[from] sqlx::Error),
@@ -142,7 +146,7 @@ pub struct RelayArguments<P> {
     /// The outbox's database.
     pub source: P,
     /// The broker.
-    pub amqp: AmqpConfig,
+    pub transport: Transport,
     /// Batching and timers.
     pub config: RelayConfig,
 }
@@ -151,7 +155,7 @@ pub struct RelayArguments<P> {
 #[derive(Debug)]
 pub struct RelayState<P> {
     source: P,
-    amqp: AmqpConfig,
+    transport: Transport,
     config: RelayConfig,
     link: Option<Link>,
     failures: u32,
@@ -159,11 +163,151 @@ pub struct RelayState<P> {
     pruned_at: Instant,
 }
 
+/// The relay's connection, and the destinations it has declared on it.
 #[derive(Debug)]
-struct Link {
-    connection: lapin::Connection,
-    publisher: Publisher,
-    declared: HashSet<String>,
+enum Link {
+    #[cfg(feature = "rabbitmq")]
+    Amqp {
+        connection: lapin::Connection,
+        publisher: Publisher,
+        declared: HashSet<String>,
+    },
+    #[cfg(feature = "nats")]
+    Nats {
+        client: async_nats::Client,
+        context: async_nats::jetstream::Context,
+        declared: HashSet<String>,
+    },
+}
+
+impl Link {
+    async fn open(transport: &Transport) -> Result<Self, TransportError> {
+        match transport {
+            #[cfg(feature = "rabbitmq")]
+            Transport::Amqp(config) => {
+                let connection = amqp::connect(config, "relay").await?;
+                let publisher = Publisher::open(&connection).await?;
+                Ok(Link::Amqp {
+                    connection,
+                    publisher,
+                    declared: HashSet::new(),
+                })
+            }
+            #[cfg(feature = "nats")]
+            Transport::Nats(config) => {
+                let client = nats::connect(config, "relay").await?;
+                let context = async_nats::jetstream::new(client.clone());
+                Ok(Link::Nats {
+                    client,
+                    context,
+                    declared: HashSet::new(),
+                })
+            }
+        }
+    }
+
+    fn usable(&self) -> bool {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            Link::Amqp { connection, .. } => connection.status().connected(),
+            // The client reconnects by itself; a publish while it is away fails and the
+            // pass is retried.
+            #[cfg(feature = "nats")]
+            Link::Nats { .. } => true,
+        }
+    }
+
+    async fn close(self) {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            Link::Amqp { connection, .. } => {
+                let _ = connection.close(200, "relay stopping".into()).await;
+            }
+            #[cfg(feature = "nats")]
+            Link::Nats { client, .. } => {
+                let _ = client.drain().await;
+            }
+        }
+    }
+
+    /// Publishes `rows` in order and waits for the broker's confirms: how many of them,
+    /// from the first, were confirmed, and the first failure after them.
+    async fn publish(
+        &mut self,
+        transport: &Transport,
+        rows: &[OutboxRow],
+    ) -> Result<(usize, Option<TransportError>), TransportError> {
+        match (self, transport) {
+            #[cfg(feature = "rabbitmq")]
+            (
+                Link::Amqp {
+                    publisher,
+                    declared,
+                    ..
+                },
+                Transport::Amqp(amqp),
+            ) => {
+                for row in rows {
+                    let queue = amqp.queue(&row.destination);
+                    if !declared.contains(&queue) {
+                        amqp::declare(publisher.channel(), amqp, &row.destination).await?;
+                        declared.insert(queue);
+                    }
+                }
+                // Published in order on one channel (the broker keeps that order per
+                // queue), then every confirm awaited.
+                let mut confirms = Vec::with_capacity(rows.len());
+                for row in rows {
+                    let (body, properties) = codec::encode(&row.envelope);
+                    let queue = amqp.queue(&row.destination);
+                    let confirm = publisher
+                        .start_publish(&queue, &body, properties, Routing::Required)
+                        .await?;
+                    confirms.push((queue, confirm));
+                }
+                let mut confirmed = 0;
+                let mut failure = None;
+                for (queue, confirm) in confirms {
+                    match Publisher::confirmed(&queue, confirm).await {
+                        Ok(()) if failure.is_none() => confirmed += 1,
+                        Ok(()) => {}
+                        Err(error) => {
+                            failure.get_or_insert(error.into());
+                        }
+                    }
+                }
+                Ok((confirmed, failure))
+            }
+            #[cfg(feature = "nats")]
+            (
+                Link::Nats {
+                    context, declared, ..
+                },
+                Transport::Nats(config),
+            ) => {
+                for row in rows {
+                    if !declared.contains(row.destination.as_str()) {
+                        nats::declare(context, config, &row.destination).await?;
+                        declared.insert(row.destination.as_str().to_owned());
+                    }
+                }
+                // One at a time: JetStream stores each before the next is sent, so a
+                // failure leaves only what follows it pending, in order.
+                let mut confirmed = 0;
+                for row in rows {
+                    let (body, headers) = nats::codec::encode(&row.envelope);
+                    let subject = config.subject(&row.destination);
+                    if let Err(error) = nats::publish(context, &subject, headers, body).await {
+                        return Ok((confirmed, Some(error.into())));
+                    }
+                    confirmed += 1;
+                }
+                Ok((confirmed, None))
+            }
+            #[allow(unreachable_patterns)]
+            _ => Err(TransportError::Mismatch),
+        }
+    }
 }
 
 /// The outbox relay actor. Spawn with [`Actor::spawn`] and [`RelayArguments`].
@@ -198,7 +342,7 @@ where
         myself: ActorRef<Self::Msg>,
         args: Self::Arguments,
     ) -> Result<Self::State, ActorProcessingErr> {
-        args.amqp.validate()?;
+        args.transport.validate()?;
         if args.config.batch < 1 || args.config.poll_interval.is_zero() {
             return Err(RelayError::Config(
                 "batch must be at least 1 and poll_interval above zero".into(),
@@ -209,7 +353,7 @@ where
         let now = Instant::now();
         Ok(RelayState {
             source: args.source,
-            amqp: args.amqp,
+            transport: args.transport,
             config: args.config,
             link: None,
             failures: 0,
@@ -224,7 +368,7 @@ where
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         if let Some(link) = state.link.take() {
-            let _ = link.connection.close(200, "relay stopping".into()).await;
+            link.close().await;
         }
         Ok(())
     }
@@ -269,7 +413,7 @@ where
                     }
                 }
                 Err(error) => {
-                    let wait = self.amqp.backoff(self.failures);
+                    let wait = backoff(self.failures);
                     self.failures = self.failures.saturating_add(1);
                     self.retry_at = Instant::now() + wait;
                     tracing::warn!(%error, retry_in = ?wait, "outbox relay pass failed");
@@ -277,10 +421,7 @@ where
                     if matches!(error, RelayError::Broker(_))
                         && let Some(link) = self.link.take()
                     {
-                        let _ = link
-                            .connection
-                            .close(200, "relay reconnecting".into())
-                            .await;
+                        link.close().await;
                     }
                     return Err(error);
                 }
@@ -288,65 +429,21 @@ where
         }
     }
 
-    async fn link(&mut self) -> Result<&mut Link, RelayError> {
-        let usable = self
-            .link
-            .as_ref()
-            .is_some_and(|link| link.connection.status().connected());
-        if !usable {
-            let connection = broker::connect(&self.amqp, "relay").await?;
-            let publisher = Publisher::open(&connection).await?;
-            self.link = Some(Link {
-                connection,
-                publisher,
-                declared: HashSet::new(),
-            });
-        }
-        self.link
-            .as_mut()
-            .ok_or_else(|| RelayError::Config("no broker connection".into()))
-    }
-
     /// One transaction: claim, publish, confirm, mark, commit.
     async fn pass(&mut self) -> Result<usize, RelayError> {
-        let amqp = self.amqp.clone();
         let batch = self.config.batch;
         let mut tx = self.source.begin().await?;
         let rows: Vec<OutboxRow> = (*tx).claim(batch).await?;
         if rows.is_empty() {
             return Ok(0);
         }
-        let link = self.link().await?;
-        for row in &rows {
-            let queue = amqp.queue(&row.destination);
-            if !link.declared.contains(&queue) {
-                broker::declare(link.publisher.channel(), &amqp, &row.destination).await?;
-                link.declared.insert(queue);
-            }
+        if !self.link.as_ref().is_some_and(Link::usable) {
+            self.link = Some(Link::open(&self.transport).await?);
         }
-        // Published in order on one channel (the broker keeps that order per queue),
-        // then every confirm awaited.
-        let mut confirms = Vec::with_capacity(rows.len());
-        for row in &rows {
-            let (body, properties) = codec::encode(&row.envelope);
-            let queue = amqp.queue(&row.destination);
-            let confirm = link
-                .publisher
-                .start_publish(&queue, &body, properties, Routing::Required)
-                .await?;
-            confirms.push((queue, confirm));
-        }
-        let mut confirmed = 0;
-        let mut failure = None;
-        for (queue, confirm) in confirms {
-            match Publisher::confirmed(&queue, confirm).await {
-                Ok(()) if failure.is_none() => confirmed += 1,
-                Ok(()) => {}
-                Err(error) => {
-                    failure.get_or_insert(error);
-                }
-            }
-        }
+        let Some(link) = self.link.as_mut() else {
+            return Err(RelayError::Config("no broker connection".into()));
+        };
+        let (confirmed, failure) = link.publish(&self.transport, &rows).await?;
         // Only the confirmed prefix is marked: a row after a refused one stays pending
         // and goes again (a repeat the inbox absorbs) rather than out of order.
         let now = Utc::now();
@@ -391,4 +488,11 @@ where
             crate::metrics::outbox_pending(pending);
         }
     }
+}
+
+/// The wait before the pass after `failures` failed ones: 100 ms doubled up to 5 s.
+fn backoff(failures: u32) -> Duration {
+    Duration::from_millis(100)
+        .saturating_mul(2u32.saturating_pow(failures.min(16)))
+        .min(Duration::from_secs(5))
 }

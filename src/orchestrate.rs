@@ -1,11 +1,12 @@
 //! The orchestrator as a service: [`orchestrate`] drives the sagas of any number of
-//! [`SagaDefinition`]s whose steps run in other processes, over RabbitMQ, until a
-//! shutdown future resolves. `sagabox orchestrate --saga FILE` is this function.
+//! [`SagaDefinition`]s whose steps run in other processes, over a broker (RabbitMQ or
+//! NATS JetStream, a [`Transport`]), until a shutdown future resolves.
+//! `sagabox orchestrate --saga FILE` is this function.
 //!
 //! - One [`Orchestrator`] actor per definition, all linked to one [`Supervision`]: an
 //!   actor that dies ends the service with its cause.
 //! - Step commands go to `<prefix>.<consumer_type>` and replies come back on a private
-//!   queue ([`AmqpDispatch`]), deduplicated as the consumer type `orchestrator`.
+//!   queue or subject ([`Dispatcher`]), deduplicated as the consumer type `orchestrator`.
 //! - Sagas start from **start messages** on `<prefix>.<saga>.start` (see
 //!   [`start_queue`]): an envelope whose `kind` is the saga's name, whose `payload` is the
 //!   saga's data, with no `saga_id`. The saga's id is derived from the message id, so a
@@ -25,9 +26,6 @@ use std::time::Duration;
 use ractor::ActorRef;
 use serde_json::json;
 
-use super::config::{AmqpConfig, AmqpError};
-use super::consumer::{Consumer, ConsumerHandle, ConsumerOptions};
-use super::dispatch::AmqpDispatch;
 use crate::delivery::Disposition;
 use crate::envelope::{ConsumerType, Envelope, KeyError};
 use crate::inbox::{InboxConfig, InboxError, InboxGuard};
@@ -36,6 +34,7 @@ use crate::saga::versions::RegisterError;
 use crate::saga::{SagaDefinition, SagaStore, StartError, history_pass};
 use crate::store::InboxStore;
 use crate::supervisor::{ActorDied, Supervision};
+use crate::transport::{self, ConsumerHandle, Dispatcher, Transport, TransportError};
 
 /// The kind of the answer to a start message.
 pub const STARTED_KIND: &str = "saga_started";
@@ -51,8 +50,10 @@ const START_WITHIN_MS: u64 = 30_000;
 pub struct OrchestrateConfig {
     /// The sagas to drive, one orchestrator each; their names must differ.
     pub definitions: Vec<SagaDefinition>,
-    /// The broker and queue settings.
-    pub amqp: AmqpConfig,
+    /// The broker and its queue or subject settings (an
+    /// [`AmqpConfig`](crate::amqp::AmqpConfig) or a
+    /// [`NatsConfig`](crate::nats::NatsConfig), `.into()`).
+    pub transport: Transport,
     /// How often each orchestrator looks for unfinished sagas to resume.
     pub resume_interval: Duration,
     /// How long the history of a finished saga is kept
@@ -87,7 +88,7 @@ pub enum OrchestrateError {
     ZeroResumeInterval,
     /// The broker refused or could not be reached.
     #[error(transparent)]
-    Amqp(#[from] AmqpError),
+    Transport(#[from] TransportError),
     /// The database refused or could not be reached.
     #[error(transparent)]
     Inbox(#[from] InboxError),
@@ -107,9 +108,10 @@ pub enum OrchestrateError {
     Died(#[from] ActorDied),
 }
 
-/// The queue that start messages of `saga` are sent to: `<prefix>.<saga>.start`.
-pub fn start_queue(amqp: &AmqpConfig, saga: &str) -> Result<String, KeyError> {
-    Ok(amqp.queue(&start_consumer(saga)?))
+/// The queue or subject that start messages of `saga` are sent to:
+/// `<prefix>.<saga>.start`.
+pub fn start_queue(transport: &Transport, saga: &str) -> Result<String, KeyError> {
+    Ok(transport.destination(&start_consumer(saga)?))
 }
 
 fn start_consumer(saga: &str) -> Result<ConsumerType, KeyError> {
@@ -139,15 +141,25 @@ where
             name: ORCHESTRATOR_CONSUMER.into(),
             source,
         })?;
-    let dispatch = Arc::new(AmqpDispatch::connect(config.amqp.clone(), guard, orchestrator).await?);
+    let inbox = guard.config().clone();
+    let dispatch = Arc::new(Dispatcher::connect(&config.transport, guard, orchestrator).await?);
     let mut running = Running::default();
-    let started = start_all(&store, &config, &dispatch, &supervision, &mut running).await;
+    let started = start_all(
+        &store,
+        &config,
+        &inbox,
+        &dispatch,
+        &supervision,
+        &mut running,
+    )
+    .await;
     let outcome = match started {
         Ok(()) => {
             tracing::info!(
                 target: "sagabox::serve",
                 sagas = %crate::logging::json_list(config.definitions.iter().map(SagaDefinition::name)),
-                broker = %crate::database::redact(&config.amqp.url),
+                broker = config.transport.broker(),
+                prefix = config.transport.prefix(),
                 "orchestrating"
             );
             let resume = resume_forever(&running.actors, config.resume_interval);
@@ -191,7 +203,7 @@ fn check(config: &OrchestrateConfig) -> Result<(), OrchestrateError> {
             return Err(OrchestrateError::DuplicateSaga(name.to_owned()));
         }
     }
-    config.amqp.validate()?;
+    config.transport.validate()?;
     Ok(())
 }
 
@@ -205,7 +217,8 @@ struct Running {
 async fn start_all<S>(
     store: &S,
     config: &OrchestrateConfig,
-    dispatch: &Arc<AmqpDispatch>,
+    inbox: &InboxConfig,
+    dispatch: &Arc<Dispatcher>,
     supervision: &Supervision,
     running: &mut Running,
 ) -> Result<(), OrchestrateError>
@@ -237,9 +250,11 @@ where
             name: name.clone(),
             source,
         })?;
-        let consumer = Consumer::spawn(
-            config.amqp.clone(),
-            ConsumerOptions::new(start, [name.clone()]),
+        let consumer = transport::consume(
+            &config.transport,
+            start,
+            BTreeSet::from([name.clone()]),
+            Some(inbox),
             move |envelope: Envelope| {
                 let actor = actor.clone();
                 async move { start_saga(&actor, envelope).await }
@@ -357,7 +372,8 @@ timeout = "5s"
         OrchestrateConfig {
             history_retention: None,
             definitions,
-            amqp: AmqpConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            transport: Transport::from_url("amqp://guest:guest@127.0.0.1:5672/%2f", "sagabox")
+                .unwrap(),
             resume_interval,
         }
     }
@@ -383,7 +399,7 @@ timeout = "5s"
 
     #[test]
     fn start_messages_have_a_queue_per_saga() {
-        let amqp = AmqpConfig::new("amqp://localhost").with_queue_prefix("shop");
+        let amqp = Transport::from_url("amqp://localhost", "shop").unwrap();
         assert_eq!(start_queue(&amqp, "trip").unwrap(), "shop.trip.start");
     }
 }

@@ -1,0 +1,363 @@
+//! The transport boundary: [`Transport`] names a broker (RabbitMQ or NATS JetStream) and
+//! its settings, chosen by the URL's scheme ([`Transport::from_url`]); what the runtime
+//! does with a broker — serve a step ([`serve_step`]), consume a consumer type
+//! ([`consume`]), dispatch an orchestrator's commands ([`Dispatcher`]) — goes through
+//! here, so the [`Participant`](crate::Participant) runtime, the outbox
+//! [`Relay`](crate::relay::Relay) and [`orchestrate`](crate::orchestrate::orchestrate)
+//! run on either broker with the same guarantees.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[cfg(feature = "rabbitmq")]
+use crate::amqp::{self, AmqpConfig, AmqpDispatch, AmqpError};
+use crate::delivery::{ConsumerStats, DeliveryHandler};
+use crate::envelope::ConsumerType;
+use crate::inbox::{InboxConfig, InboxGuard};
+#[cfg(feature = "nats")]
+use crate::nats::{self, NatsConfig, NatsDispatch, NatsError};
+use crate::orchestrator::Dispatch;
+use crate::step::{StepFailure, StepPool, StepReply};
+use crate::store::InboxStore;
+
+/// A broker and how to use it.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Transport {
+    /// RabbitMQ (feature `rabbitmq`).
+    #[cfg(feature = "rabbitmq")]
+    Amqp(AmqpConfig),
+    /// NATS JetStream (feature `nats`).
+    #[cfg(feature = "nats")]
+    Nats(NatsConfig),
+}
+
+#[cfg(feature = "rabbitmq")]
+impl From<AmqpConfig> for Transport {
+    fn from(config: AmqpConfig) -> Self {
+        Transport::Amqp(config)
+    }
+}
+
+#[cfg(feature = "nats")]
+impl From<NatsConfig> for Transport {
+    fn from(config: NatsConfig) -> Self {
+        Transport::Nats(config)
+    }
+}
+
+/// What went wrong on the transport.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// A URL whose scheme names no transport this build has.
+    #[error(
+        "{url} is not a broker URL this build speaks: use amqp://user:password@host:port/vhost \
+         (RabbitMQ) or nats://host:port (NATS JetStream)"
+    )]
+    UnknownScheme {
+        /// The URL, password redacted.
+        url: String,
+    },
+    /// A link of one transport was used with the other's settings (a bug).
+    #[error("a broker link was used with another transport's settings")]
+    Mismatch,
+    /// RabbitMQ failed or was refused.
+    #[cfg(feature = "rabbitmq")]
+    #[error(transparent)]
+    Amqp(#[from] AmqpError),
+    /// NATS failed or was refused.
+    #[cfg(feature = "nats")]
+    #[error(transparent)]
+    Nats(#[from] NatsError),
+}
+
+impl Transport {
+    /// The transport `url` names (`amqp://`, `amqps://`: RabbitMQ; `nats://`, `tls://`:
+    /// NATS), its queues or subjects under `prefix`, with each transport's defaults.
+    pub fn from_url(url: &str, prefix: &str) -> Result<Self, TransportError> {
+        #[cfg(feature = "rabbitmq")]
+        if url.starts_with("amqp://") || url.starts_with("amqps://") {
+            return Ok(Transport::Amqp(
+                AmqpConfig::new(url).with_queue_prefix(prefix),
+            ));
+        }
+        #[cfg(feature = "nats")]
+        if url.starts_with("nats://") || url.starts_with("tls://") {
+            return Ok(Transport::Nats(NatsConfig::new(url).with_prefix(prefix)));
+        }
+        let _ = prefix;
+        Err(TransportError::UnknownScheme {
+            url: crate::database::redact(url),
+        })
+    }
+
+    /// Checks every setting; the error says which and what to do.
+    pub fn validate(&self) -> Result<(), TransportError> {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            Transport::Amqp(config) => Ok(config.validate()?),
+            #[cfg(feature = "nats")]
+            Transport::Nats(config) => Ok(config.validate()?),
+        }
+    }
+
+    /// The broker's name, for logs and reports.
+    pub fn broker(&self) -> &'static str {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            Transport::Amqp(_) => "RabbitMQ",
+            #[cfg(feature = "nats")]
+            Transport::Nats(_) => "NATS JetStream",
+        }
+    }
+
+    /// The prefix of its queues or subjects.
+    pub fn prefix(&self) -> &str {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            Transport::Amqp(config) => &config.queue_prefix,
+            #[cfg(feature = "nats")]
+            Transport::Nats(config) => &config.prefix,
+        }
+    }
+
+    /// Unacknowledged messages a consumer holds at once.
+    pub fn prefetch(&self) -> u16 {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            Transport::Amqp(config) => config.prefetch,
+            #[cfg(feature = "nats")]
+            Transport::Nats(config) => config.prefetch,
+        }
+    }
+
+    /// Holds at most `prefetch` unacknowledged messages per consumer.
+    pub fn with_prefetch(mut self, prefetch: u16) -> Self {
+        match &mut self {
+            #[cfg(feature = "rabbitmq")]
+            Transport::Amqp(config) => config.prefetch = prefetch,
+            #[cfg(feature = "nats")]
+            Transport::Nats(config) => config.prefetch = prefetch,
+        }
+        self
+    }
+
+    /// Sets the retention of what the transport creates (a JetStream stream's
+    /// `max_age`) from the inbox's [`broker_retention`](InboxConfig::broker_retention).
+    pub fn with_retention_of(mut self, inbox: &InboxConfig) -> Self {
+        match &mut self {
+            #[cfg(feature = "rabbitmq")]
+            Transport::Amqp(_) => {}
+            #[cfg(feature = "nats")]
+            Transport::Nats(config) => config.retention = inbox.broker_retention,
+        }
+        let _ = inbox;
+        self
+    }
+
+    /// Where `consumer_type`'s messages are sent: a queue or a subject.
+    pub fn destination(&self, consumer_type: &ConsumerType) -> String {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            Transport::Amqp(config) => config.queue(consumer_type),
+            #[cfg(feature = "nats")]
+            Transport::Nats(config) => config.subject(consumer_type),
+        }
+    }
+}
+
+/// A running consumer on either transport.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ConsumerHandle {
+    /// On RabbitMQ.
+    #[cfg(feature = "rabbitmq")]
+    Amqp(amqp::ConsumerHandle),
+    /// On NATS JetStream.
+    #[cfg(feature = "nats")]
+    Nats(nats::ConsumerHandle),
+}
+
+impl ConsumerHandle {
+    /// What it has done so far.
+    pub fn stats(&self) -> &Arc<ConsumerStats> {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            ConsumerHandle::Amqp(handle) => handle.stats(),
+            #[cfg(feature = "nats")]
+            ConsumerHandle::Nats(handle) => handle.stats(),
+        }
+    }
+
+    /// Whether the consumer has ended without being stopped (a bug).
+    pub fn is_finished(&self) -> bool {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            ConsumerHandle::Amqp(handle) => handle.is_finished(),
+            #[cfg(feature = "nats")]
+            ConsumerHandle::Nats(handle) => handle.is_finished(),
+        }
+    }
+
+    /// Stops consuming, lets the messages in flight finish and settle.
+    pub async fn stop(self) {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            ConsumerHandle::Amqp(handle) => handle.stop().await,
+            #[cfg(feature = "nats")]
+            ConsumerHandle::Nats(handle) => handle.stop().await,
+        }
+    }
+
+    /// Drops the consumer at once, as a crash would.
+    pub fn abort(self) {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            ConsumerHandle::Amqp(handle) => handle.abort(),
+            #[cfg(feature = "nats")]
+            ConsumerHandle::Nats(handle) => handle.abort(),
+        }
+    }
+}
+
+#[cfg(feature = "rabbitmq")]
+impl From<amqp::ConsumerHandle> for ConsumerHandle {
+    fn from(handle: amqp::ConsumerHandle) -> Self {
+        ConsumerHandle::Amqp(handle)
+    }
+}
+
+#[cfg(feature = "nats")]
+impl From<nats::ConsumerHandle> for ConsumerHandle {
+    fn from(handle: nats::ConsumerHandle) -> Self {
+        ConsumerHandle::Nats(handle)
+    }
+}
+
+/// Consumes `consumer_type`'s messages of `kinds` with `handler`, on the transport's
+/// durable queue or stream. With `inbox`, a JetStream stream's retention is checked
+/// against its TTL first.
+pub async fn consume<H: DeliveryHandler>(
+    transport: &Transport,
+    consumer_type: ConsumerType,
+    kinds: BTreeSet<String>,
+    inbox: Option<&InboxConfig>,
+    handler: H,
+) -> Result<ConsumerHandle, TransportError> {
+    match transport {
+        #[cfg(feature = "rabbitmq")]
+        Transport::Amqp(config) => {
+            let _ = inbox;
+            let options = amqp::ConsumerOptions::new(consumer_type, kinds);
+            Ok(amqp::Consumer::spawn(config.clone(), options, handler)
+                .await?
+                .into())
+        }
+        #[cfg(feature = "nats")]
+        Transport::Nats(config) => {
+            let mut options = nats::ConsumerOptions::new(consumer_type, kinds);
+            options.inbox = inbox.cloned();
+            Ok(nats::Consumer::spawn(config.clone(), options, handler)
+                .await?
+                .into())
+        }
+    }
+}
+
+/// Serves `pool` on the transport: its consumer type's commands of `kinds` run through
+/// the pool (and so its inbox, configured as `inbox`), each waiting up to `timeout`,
+/// replied to and acked after commit. With `batch` above 1, the messages the consumer
+/// holds at once are claimed in batches of up to `batch`, closed after `linger`.
+pub async fn serve_step(
+    transport: &Transport,
+    pool: Arc<StepPool>,
+    kinds: BTreeSet<String>,
+    timeout: Duration,
+    batch: usize,
+    linger: Duration,
+    inbox: &InboxConfig,
+) -> Result<ConsumerHandle, TransportError> {
+    match transport {
+        #[cfg(feature = "rabbitmq")]
+        Transport::Amqp(config) if batch > 1 => {
+            Ok(
+                amqp::serve_step_batched(config.clone(), pool, kinds, timeout, batch, linger)
+                    .await?
+                    .into(),
+            )
+        }
+        #[cfg(feature = "rabbitmq")]
+        Transport::Amqp(config) => Ok(amqp::serve_step(config.clone(), pool, kinds, timeout)
+            .await?
+            .into()),
+        #[cfg(feature = "nats")]
+        Transport::Nats(config) => {
+            Ok(
+                nats::serve_step(config.clone(), pool, kinds, timeout, batch, linger, inbox)
+                    .await?
+                    .into(),
+            )
+        }
+    }
+}
+
+/// An orchestrator's [`Dispatch`] on either transport.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Dispatcher {
+    /// Over RabbitMQ.
+    #[cfg(feature = "rabbitmq")]
+    Amqp(AmqpDispatch),
+    /// Over NATS JetStream.
+    #[cfg(feature = "nats")]
+    Nats(NatsDispatch),
+}
+
+impl Dispatcher {
+    /// Connects, and starts taking replies through `guard` as `consumer_type` (the
+    /// orchestrator's inbox).
+    pub async fn connect<S: InboxStore>(
+        transport: &Transport,
+        guard: InboxGuard<S>,
+        consumer_type: ConsumerType,
+    ) -> Result<Self, TransportError> {
+        match transport {
+            #[cfg(feature = "rabbitmq")]
+            Transport::Amqp(config) => Ok(Dispatcher::Amqp(
+                AmqpDispatch::connect(config.clone(), guard, consumer_type).await?,
+            )),
+            #[cfg(feature = "nats")]
+            Transport::Nats(config) => Ok(Dispatcher::Nats(
+                NatsDispatch::connect(config.clone(), guard, consumer_type).await?,
+            )),
+        }
+    }
+
+    /// Stops taking replies and closes the connections.
+    pub async fn stop(&self) {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            Dispatcher::Amqp(dispatch) => dispatch.stop().await,
+            #[cfg(feature = "nats")]
+            Dispatcher::Nats(dispatch) => dispatch.stop().await,
+        }
+    }
+}
+
+impl Dispatch for Dispatcher {
+    async fn dispatch(
+        &self,
+        consumer_type: &ConsumerType,
+        envelope: crate::envelope::Envelope,
+        timeout: Duration,
+    ) -> Result<StepReply, StepFailure> {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            Dispatcher::Amqp(dispatch) => dispatch.dispatch(consumer_type, envelope, timeout).await,
+            #[cfg(feature = "nats")]
+            Dispatcher::Nats(dispatch) => dispatch.dispatch(consumer_type, envelope, timeout).await,
+        }
+    }
+}
