@@ -487,6 +487,9 @@ impl<S: InboxStore + Clone> Participant<S> {
     /// with a handle to stop it. On an error nothing is left running.
     pub async fn start(self) -> Result<ParticipantHandle, ParticipantError> {
         let checked = self.check()?;
+        // Queues are declared with the inbox's broker retention and checked against its TTL.
+        let amqp = self.amqp.clone().with_inbox(&self.inbox);
+        amqp.validate()?;
         let prefetch = usize::from(self.amqp.prefetch);
         for step in &checked {
             if step.workers > prefetch {
@@ -525,7 +528,7 @@ impl<S: InboxStore + Clone> Participant<S> {
             &mut handle,
             guard,
             self.store,
-            self.amqp,
+            amqp,
             self.steps,
             checked,
             self.relay,
