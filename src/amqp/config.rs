@@ -344,6 +344,31 @@ mod tests {
     }
 
     #[test]
+    fn queues_are_quorum_with_the_inbox_retention_as_ttl() {
+        let config = AmqpConfig::new("amqp://x");
+        assert_eq!(config.queue_type, QueueType::Quorum);
+        assert_eq!("classic".parse::<QueueType>().unwrap(), QueueType::Classic);
+        assert!("lazy".parse::<QueueType>().is_err());
+        let inbox = InboxConfig::default().with_broker_retention(Duration::from_secs(86_400));
+        let config = config.with_inbox(&inbox);
+        assert_eq!(config.message_ttl, Some(Duration::from_secs(86_400)));
+        assert_eq!(
+            config.retention_check.as_ref().map(|i| i.ttl),
+            Some(inbox.ttl)
+        );
+        let mut without = AmqpConfig::new("amqp://x");
+        without.message_ttl = None;
+        assert_eq!(
+            without.with_inbox(&inbox).message_ttl,
+            None,
+            "a policy's, kept"
+        );
+        let mut long = AmqpConfig::new("amqp://x");
+        long.message_ttl = Some(Duration::from_secs(60 * 86_400));
+        assert!(long.validate().unwrap_err().to_string().contains("49 days"));
+    }
+
+    #[test]
     fn backoff_doubles_up_to_the_maximum() {
         let config = AmqpConfig::new("amqp://x");
         assert_eq!(config.backoff(0), Duration::from_millis(100));
