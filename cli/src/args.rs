@@ -460,7 +460,7 @@ pub struct BrokerArgs {
     #[arg(long)]
     pub no_queue_ttl: bool,
     /// The RabbitMQ management API, where the queues' real retention is read
-    /// (default: http://<broker host>:15672, with the broker URL's credentials).
+    /// (default: `http://BROKER-HOST:15672`, with the broker URL's credentials).
     #[arg(long, value_name = "URL")]
     pub amqp_management_url: Option<String>,
     /// When the management API is out of reach, take the declared x-message-ttl as
