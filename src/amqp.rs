@@ -13,10 +13,15 @@
 //!   claimed as one batch ([`InboxGuard::process_batch`](crate::InboxGuard::process_batch)).
 //! - [`DeadLetterQueue`]: an operator's view of `<queue>.dead` — list the dead letters
 //!   without taking them, replay them to their source queue under their own message id.
-//! - [`codec`]: the envelope on the wire; [`AmqpConfig`]: queues, prefetch, backoff.
+//! - [`check_retention`]: a queue's real retention (its `x-message-ttl` and policies,
+//!   read through the management API) checked against the inbox TTL before a consumer
+//!   takes a message.
+//! - [`codec`]: the envelope on the wire; [`AmqpConfig`]: queues, their type
+//!   ([`QueueType`]) and TTL, prefetch, backoff.
 //!
-//! Queues are `<prefix>.<consumer_type>` (durable) with `<prefix>.<consumer_type>.dead`
-//! for dead letters; the prefix defaults to `sagabox`.
+//! Queues are `<prefix>.<consumer_type>` (durable; quorum by default, with
+//! `x-message-ttl` and `x-delivery-limit`) with `<prefix>.<consumer_type>.dead` (classic,
+//! no TTL) for dead letters; the prefix defaults to `sagabox`.
 
 mod broker;
 pub mod codec;
@@ -24,6 +29,7 @@ mod config;
 mod consumer;
 mod dispatch;
 mod dlq;
+mod management;
 
 pub use crate::batching::Batching;
 pub use crate::delivery::{
@@ -39,10 +45,13 @@ pub use crate::relay::{
 };
 pub use crate::reply::{REPLY_KIND, reply_envelope};
 pub use broker::{Publisher, Routing, connect, declare};
-pub use config::{AmqpConfig, AmqpError};
+pub use config::{AmqpConfig, AmqpError, QueueType};
 pub use consumer::{Consumer, ConsumerHandle, ConsumerOptions};
 pub use dispatch::{AmqpDispatch, serve_step, serve_step_batched};
 pub use dlq::{
     DEAD_SUFFIX, DeadLetter, DeadLetterList, DeadLetterQueue, DlqError, REPLAYED_HEADER,
     ReplayOptions, ReplayReport, queue_names,
+};
+pub use management::{
+    QueueRetention, RETENTION_SETTING, check_retention, measure_retention, prefixed_queues,
 };

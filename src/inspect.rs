@@ -214,6 +214,64 @@ pub struct InspectReport {
     pub outbox: OutboxReport,
     /// What needs a person's attention, one sentence each; empty when all is well.
     pub warnings: Vec<String>,
+    /// The broker's queues with their measured retention, when a broker was given
+    /// ([`InspectReport::with_broker`]); empty otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub broker_queues: Vec<QueueReport>,
+}
+
+/// One broker queue's retention as measured on the broker, beside the inbox TTL.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct QueueReport {
+    /// The queue.
+    pub queue: String,
+    /// Its type (`quorum`, `classic`), as the broker reports it.
+    pub queue_type: Option<String>,
+    /// What the broker applies, in days; `None`: unbounded.
+    pub retention_days: Option<f64>,
+    /// Its `x-message-ttl` argument, in days.
+    pub argument_days: Option<f64>,
+    /// The lowest `message-ttl` of the policies applied to it, in days.
+    pub policy_days: Option<f64>,
+    /// Whether the inbox TTL covers the retention (a redelivery cannot outlive the
+    /// inbox's memory of the message).
+    pub covered: bool,
+}
+
+#[cfg(feature = "rabbitmq")]
+impl InspectReport {
+    /// Adds the retention of every durable queue of `amqp`'s prefix, measured through
+    /// the management API, with a warning for each one the inbox TTL (`inbox`) does not
+    /// cover.
+    pub async fn with_broker(
+        mut self,
+        amqp: &crate::amqp::AmqpConfig,
+        inbox: &InboxConfig,
+    ) -> Result<Self, crate::amqp::AmqpError> {
+        let day = |duration: Duration| duration.as_secs_f64() / 86_400.0;
+        for queue in crate::amqp::prefixed_queues(amqp).await? {
+            let covered = matches!(queue.retention, crate::retention::Retention::Bounded(retention) if retention <= inbox.ttl);
+            if !covered {
+                self.warnings.push(format!(
+                    "queue {} keeps messages for {}, beyond the inbox ttl of {:.1} days: a \
+                     consumer of it refuses to start; lower its x-message-ttl or policy, or \
+                     raise the ttl (see the retention runbook in docs/operations.md)",
+                    queue.queue,
+                    queue.retention,
+                    day(inbox.ttl)
+                ));
+            }
+            self.broker_queues.push(QueueReport {
+                retention_days: queue.retention.days(),
+                argument_days: queue.argument.map(day),
+                policy_days: queue.policy.map(day),
+                queue: queue.queue,
+                queue_type: queue.queue_type,
+                covered,
+            });
+        }
+        Ok(self)
+    }
 }
 
 /// What a backend reads; [`assess`] turns it into a report.
@@ -409,6 +467,7 @@ fn assess(
             oldest_pending_at: facts.oldest_pending_at,
         },
         warnings,
+        broker_queues: Vec::new(),
     }
 }
 
@@ -594,6 +653,29 @@ impl fmt::Display for InspectReport {
         match self.outbox.oldest_pending_at {
             Some(at) => writeln!(f, "  oldest pending       written {}", age(self.at, at))?,
             None => writeln!(f, "  oldest pending       none")?,
+        }
+
+        if !self.broker_queues.is_empty() {
+            let days = |days: Option<f64>| days.map_or("-".to_owned(), |d| format!("{d:.1} d"));
+            writeln!(f, "\nbroker queues (retention measured on the broker)")?;
+            writeln!(
+                f,
+                "  {:<40} {:<8} {:>10} {:>10} {:>10}  ttl covers",
+                "queue", "type", "retention", "argument", "policy"
+            )?;
+            for q in &self.broker_queues {
+                writeln!(
+                    f,
+                    "  {:<40} {:<8} {:>10} {:>10} {:>10}  {}",
+                    q.queue,
+                    q.queue_type.as_deref().unwrap_or("-"),
+                    q.retention_days
+                        .map_or("unbounded".to_owned(), |d| format!("{d:.1} d")),
+                    days(q.argument_days),
+                    days(q.policy_days),
+                    if q.covered { "yes" } else { "NO" }
+                )?;
+            }
         }
 
         writeln!(f, "\nwarnings")?;

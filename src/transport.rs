@@ -144,17 +144,20 @@ impl Transport {
         self
     }
 
-    /// Sets the retention of what the transport creates (a JetStream stream's
-    /// `max_age`) from the inbox's [`broker_retention`](InboxConfig::broker_retention).
-    pub fn with_retention_of(mut self, inbox: &InboxConfig) -> Self {
-        match &mut self {
+    /// Sets the retention of what the transport declares (a RabbitMQ queue's
+    /// `x-message-ttl`, a JetStream stream's `max_age`) from the inbox's
+    /// [`broker_retention`](InboxConfig::broker_retention); on RabbitMQ, also the inbox
+    /// its consumers check the queues' measured retention against
+    /// ([`AmqpConfig::with_inbox`]).
+    pub fn with_retention_of(self, inbox: &InboxConfig) -> Self {
+        match self {
             #[cfg(feature = "rabbitmq")]
-            Transport::Amqp(_) => {}
+            Transport::Amqp(config) => Transport::Amqp(config.with_inbox(inbox)),
             #[cfg(feature = "nats")]
-            Transport::Nats(config) => config.retention = inbox.broker_retention,
+            Transport::Nats(config) => {
+                Transport::Nats(config.with_retention(inbox.broker_retention))
+            }
         }
-        let _ = inbox;
-        self
     }
 
     /// Where `consumer_type`'s messages are sent: a queue or a subject.
@@ -238,7 +241,8 @@ impl From<nats::ConsumerHandle> for ConsumerHandle {
 
 /// Consumes `consumer_type`'s messages of `kinds` with `handler`, on the transport's
 /// durable queue or stream. With `inbox`, a JetStream stream's retention is checked
-/// against its TTL first.
+/// against its TTL first (a RabbitMQ queue's is checked against the inbox its
+/// [`AmqpConfig::retention_check`] names).
 pub async fn consume<H: DeliveryHandler>(
     transport: &Transport,
     consumer_type: ConsumerType,

@@ -17,11 +17,13 @@ use common::rabbit::Rabbit;
 use lapin::BasicProperties;
 use ractor::Actor;
 use sagabox::amqp::{
-    AmqpDispatch, Consumer, ConsumerHandle, ConsumerOptions, DEAD_REASON_HEADER, Disposition,
-    Relay, RelayArguments, RelayConfig, RelayMessage, codec, serve_step,
+    AmqpDispatch, AmqpError, Consumer, ConsumerHandle, ConsumerOptions, DEAD_REASON_HEADER,
+    DeadLetterQueue, Disposition, QueueType, Relay, RelayArguments, RelayConfig, RelayMessage,
+    codec, serve_step,
 };
 use sagabox::orchestrator::Dispatch;
 use sagabox::outbox::OutboxWriter;
+use sagabox::retention::RetentionError;
 use sagabox::step::{StepError, StepHandler, StepOutcome, StepPool, StepPoolConfig};
 use sagabox::{
     ConsumerType, Envelope, GuardError, InboxConfig, InboxGuard, MessageId, Outcome, PostgresStore,
@@ -243,6 +245,8 @@ async fn a_retryable_failure_is_requeued_then_dead_lettered_when_it_keeps_failin
     let (pg, rabbit) = (Pg::new().await, Rabbit::new(&["payment"]).await);
     let _ = pg;
     let mut config = rabbit.config.clone();
+    // The classic path: the consumer counts attempts itself.
+    config.queue_type = QueueType::Classic;
     config.max_redeliveries = 3;
     let calls = Arc::new(AtomicU32::new(0));
     let consumer = {
@@ -1011,4 +1015,170 @@ async fn a_broker_that_never_answers_is_a_connect_timeout_not_a_hang() {
     assert!(text.contains(&format!("127.0.0.1:{port}")), "{text}");
     assert!(!text.contains("s3cret-pw"), "{text}");
     silent_peer.abort();
+}
+
+/// A consumer that always fails retryably, on `config`'s `payment` queue.
+async fn always_retrying(
+    config: sagabox::amqp::AmqpConfig,
+    calls: Arc<AtomicU32>,
+) -> ConsumerHandle {
+    Consumer::spawn(
+        config,
+        ConsumerOptions::new(ConsumerType::new("payment").unwrap(), ["charge"]),
+        move |envelope: Envelope| {
+            let calls = Arc::clone(&calls);
+            async move {
+                let n = calls.fetch_add(1, SeqCst);
+                match envelope.payload["flaky"].as_bool() {
+                    Some(true) if n == 0 => Disposition::Retry("database restarting".into()),
+                    Some(true) => Disposition::Done { reply: None },
+                    _ => Disposition::Retry("always down".into()),
+                }
+            }
+        },
+    )
+    .await
+    .unwrap()
+}
+
+/// On a quorum queue a retry is a nack: the broker counts the deliveries and, at the
+/// queue's delivery limit, dead-letters the message itself; `dlq list` names the reason.
+#[tokio::test]
+async fn on_a_quorum_queue_the_broker_counts_retries_and_dead_letters_at_its_delivery_limit() {
+    let rabbit = Rabbit::new(&["payment"]).await;
+    let mut config = rabbit.config.clone();
+    assert_eq!(
+        config.queue_type,
+        QueueType::Quorum,
+        "quorum is the default"
+    );
+    config.max_redeliveries = 3;
+    let calls = Arc::new(AtomicU32::new(0));
+    let consumer = always_retrying(config.clone(), Arc::clone(&calls)).await;
+    let stats = Arc::clone(consumer.stats());
+
+    let (body, properties) = message("flaky-1", "charge", json!({"flaky": true}));
+    rabbit
+        .publish_raw(&rabbit.queue("payment"), &body, properties)
+        .await;
+    common::wait_for("the flaky message nacked once, then done", async || {
+        stats.acked.load(SeqCst) == 1 && stats.requeued.load(SeqCst) == 1
+    })
+    .await;
+
+    let (body, properties) = message("poison-1", "charge", json!({"flaky": false}));
+    rabbit
+        .publish_raw(&rabbit.queue("payment"), &body, properties)
+        .await;
+    let dead = rabbit.dead_queue("payment");
+    common::wait_for(
+        "the poison message dead-lettered by the broker",
+        async || rabbit.ready(&dead).await == 1,
+    )
+    .await;
+    consumer.stop().await;
+    assert_eq!(
+        calls.load(SeqCst),
+        2 + 3,
+        "delivered max_redeliveries times"
+    );
+    assert_eq!(stats.requeued.load(SeqCst), 1 + 3, "every failure nacked");
+    assert_eq!(
+        stats.dead_lettered.load(SeqCst),
+        0,
+        "the broker dead-lettered it, not the consumer"
+    );
+    assert_eq!(
+        rabbit.ready(&rabbit.queue("payment")).await,
+        0,
+        "nothing left behind"
+    );
+
+    let dlq = DeadLetterQueue::open(&config, &dead).await.unwrap();
+    let list = dlq.list(None).await.unwrap();
+    dlq.close().await;
+    assert_eq!(list.messages.len(), 1);
+    let letter = &list.messages[0];
+    assert_eq!(letter.message_id.as_deref(), Some("poison-1"));
+    assert_eq!(letter.reason.as_deref(), Some("retries_exhausted"));
+    let detail = letter.detail.as_deref().unwrap_or_default();
+    assert!(
+        detail.contains("delivery_limit") && detail.contains(&rabbit.queue("payment")),
+        "{detail}"
+    );
+}
+
+/// A classic queue that exists already is refused as a quorum declare, with the fix.
+#[tokio::test]
+async fn an_existing_queue_of_another_type_is_refused_with_the_fix() {
+    let rabbit = Rabbit::new(&["payment"]).await;
+    let mut classic = rabbit.config.clone();
+    classic.queue_type = QueueType::Classic;
+    let calls = Arc::new(AtomicU32::new(0));
+    always_retrying(classic, Arc::clone(&calls))
+        .await
+        .stop()
+        .await;
+    let error = Consumer::spawn(
+        rabbit.config.clone(),
+        ConsumerOptions::new(ConsumerType::new("payment").unwrap(), ["charge"]),
+        |_: Envelope| async { Disposition::Done { reply: None } },
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(error, AmqpError::QueueMismatch { .. }), "{error}");
+    let text = error.to_string();
+    for part in [
+        rabbit.queue("payment").as_str(),
+        "--queue-type classic",
+        "PRECONDITION_FAILED",
+        "docs/operations.md",
+    ] {
+        assert!(text.contains(part), "{part} missing from: {text}");
+    }
+}
+
+/// A queue that keeps messages longer than the inbox TTL: the consumer refuses to start,
+/// naming both numbers, and takes nothing.
+#[tokio::test]
+async fn a_queue_whose_ttl_exceeds_the_inbox_ttl_is_refused_at_start() {
+    let rabbit = Rabbit::new(&["payment"]).await;
+    let mut config = rabbit.config.clone();
+    config.message_ttl = Some(Duration::from_secs(45 * 86_400));
+    config.retention_check =
+        Some(InboxConfig::default().with_ttl(Duration::from_secs(30 * 86_400)));
+    let (body, properties) = message("m-1", "charge", json!({}));
+    rabbit.declare_with(&config, "payment").await;
+    rabbit
+        .publish_raw(&rabbit.queue("payment"), &body, properties)
+        .await;
+    let error = Consumer::spawn(
+        config,
+        ConsumerOptions::new(ConsumerType::new("payment").unwrap(), ["charge"]),
+        |_: Envelope| async { Disposition::Done { reply: None } },
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            AmqpError::Retention(RetentionError::LongerThanTtl { .. })
+        ),
+        "{error}"
+    );
+    let text = error.to_string();
+    for part in [
+        rabbit.queue("payment").as_str(),
+        "45.0 days",
+        "30.0 days",
+        "--ttl-days",
+        "--force-short-ttl",
+    ] {
+        assert!(text.contains(part), "{part} missing from: {text}");
+    }
+    assert_eq!(
+        rabbit.ready(&rabbit.queue("payment")).await,
+        1,
+        "nothing consumed"
+    );
 }

@@ -684,7 +684,10 @@ async fn bad_settings_are_refused_with_typed_errors() {
     let mut no_prefetch = amqp.clone();
     no_prefetch.prefetch = 0;
     let prefetch = refused(Participant::new(store.clone(), no_prefetch).step("notify", Notify));
-    assert!(matches!(prefetch, ParticipantError::Transport(_)), "{prefetch}");
+    assert!(
+        matches!(prefetch, ParticipantError::Transport(_)),
+        "{prefetch}"
+    );
     assert!(base().step("notify", Notify).validate().is_ok());
 
     // Start checks the same before touching anything.
@@ -782,4 +785,116 @@ async fn a_bounded_pool_answers_at_once_when_its_queue_is_full() {
     assert!(waiting.await.is_ok());
     assert_eq!(lite.scalar("SELECT COUNT(*) FROM ledger_entries").await, 2);
     supervision.stop().await;
+}
+
+/// Collects the messages of the WARN events of the thread it is the default of.
+#[derive(Clone, Default)]
+struct Warnings(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Warnings {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Message<'a>(&'a mut String);
+        impl tracing::field::Visit for Message<'_> {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                use std::fmt::Write;
+                let _ = write!(self.0, " {}={value:?}", field.name());
+            }
+        }
+        if *event.metadata().level() == tracing::Level::WARN {
+            let mut text = String::new();
+            event.record(&mut Message(&mut text));
+            self.0.lock().unwrap().push(text);
+        }
+    }
+}
+
+/// A queue with no TTL at all (declared without one, no policy) lets the broker redeliver
+/// at any age: the participant refuses to start unless forced, and the force is a warning.
+#[tokio::test]
+async fn a_queue_without_retention_is_refused_unless_forced_and_the_force_is_logged() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let (pg, rabbit) = (Pg::new().await, Rabbit::new(&["ledger"]).await);
+    pg.exec(TABLES).await;
+    let mut amqp = rabbit.config.clone();
+    amqp.message_ttl = None;
+    let error = Participant::new(pg.store(4).await, amqp.clone())
+        .step("ledger", Ledger::default())
+        .start()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            ParticipantError::Transport(sagabox::transport::TransportError::Amqp(
+                sagabox::amqp::AmqpError::Retention(
+                    sagabox::retention::RetentionError::Unbounded { .. }
+                )
+            ))
+        ),
+        "{error}"
+    );
+    let text = error.to_string();
+    for part in [
+        rabbit.queue("ledger").as_str(),
+        "without limit",
+        "x-message-ttl",
+        "--force-short-ttl",
+    ] {
+        assert!(text.contains(part), "{part} missing from: {text}");
+    }
+
+    let warnings = Warnings::default();
+    let _logging =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(warnings.clone()));
+    let forced = InboxConfig::default().with_ttl_below_retention_allowed(true);
+    let handle = Participant::new(pg.store(4).await, amqp)
+        .step("ledger", Ledger::default())
+        .inbox(forced)
+        .start()
+        .await
+        .unwrap();
+    handle.stop().await.unwrap();
+    let logged = warnings.0.lock().unwrap().join("\n");
+    assert!(
+        logged.contains("forced") && logged.contains(&rabbit.queue("ledger")),
+        "no warning of the forced start in: {logged}"
+    );
+}
+
+/// The retention a policy sets is read from the broker (management API): a policy
+/// longer than the inbox TTL on a queue without x-message-ttl refuses the start.
+#[tokio::test]
+async fn a_message_ttl_policy_longer_than_the_inbox_ttl_is_read_and_refused() {
+    let (pg, rabbit) = (Pg::new().await, Rabbit::new(&["ledger"]).await);
+    pg.exec(TABLES).await;
+    let mut amqp = rabbit.config.clone();
+    amqp.message_ttl = None;
+    let queue = rabbit.queue("ledger");
+    let policy = format!("{}-ttl", rabbit.config.queue_prefix);
+    let definition = format!("{{\"message-ttl\":{}}}", 45u64 * 86_400_000);
+    let set = std::process::Command::new("rabbitmqctl")
+        .args(["set_policy", "--apply-to", "queues", &policy])
+        .arg(format!("^{}$", queue.replace('.', "\\.")))
+        .arg(&definition)
+        .output()
+        .expect("rabbitmqctl (RabbitMQ's CLI) must be installed for this test");
+    assert!(
+        set.status.success(),
+        "{}",
+        String::from_utf8_lossy(&set.stderr)
+    );
+    let started = Participant::new(pg.store(4).await, amqp)
+        .step("ledger", Ledger::default())
+        .start()
+        .await;
+    let _ = std::process::Command::new("rabbitmqctl")
+        .args(["clear_policy", &policy])
+        .output();
+    let error = started.unwrap_err();
+    let text = error.to_string();
+    assert!(
+        text.contains("45.0 days") && text.contains("30.0 days"),
+        "{text}"
+    );
+    assert!(text.contains(&queue), "{text}");
 }

@@ -446,3 +446,45 @@ mod tests {
         assert!(retention_config(30, 14, 2, false).is_ok());
     }
 }
+
+/// How RabbitMQ queues are declared and their retention read: `serve` and `orchestrate`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BrokerArgs {
+    /// How sagabox declares the queues it creates: quorum (replicated; the broker
+    /// counts redeliveries and dead-letters at the limit) or classic (for queues that
+    /// already exist as classic ones).
+    #[arg(long, default_value = "quorum", value_parser = queue_type)]
+    pub queue_type: sagabox::amqp::QueueType,
+    /// Declare queues without x-message-ttl: for queues declared without one before,
+    /// whose retention a policy sets (message-ttl).
+    #[arg(long)]
+    pub no_queue_ttl: bool,
+    /// The RabbitMQ management API, where the queues' real retention is read
+    /// (default: `http://BROKER-HOST:15672`, with the broker URL's credentials).
+    #[arg(long, value_name = "URL")]
+    pub amqp_management_url: Option<String>,
+    /// When the management API is out of reach, take the declared x-message-ttl as
+    /// the queues' retention instead of refusing to start.
+    #[arg(long)]
+    pub trust_declared_retention: bool,
+}
+
+impl BrokerArgs {
+    /// `config` with these settings.
+    pub fn apply(&self, mut config: sagabox::amqp::AmqpConfig) -> sagabox::amqp::AmqpConfig {
+        config.queue_type = self.queue_type;
+        if self.no_queue_ttl {
+            config.message_ttl = None;
+        }
+        config.management_url = self.amqp_management_url.clone();
+        config.trust_declared_retention = self.trust_declared_retention;
+        config
+    }
+}
+
+/// Parses `--queue-type`.
+pub fn queue_type(value: &str) -> Result<sagabox::amqp::QueueType, String> {
+    value
+        .parse()
+        .map_err(|error: sagabox::amqp::AmqpError| error.to_string())
+}

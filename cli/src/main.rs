@@ -179,6 +179,9 @@ enum Command {
         // The pruner runs a pass at start, then hourly (one instance at a time).
         #[command(flatten)]
         retention: args::RetentionArgs,
+        // Queue type, TTL and where the queues' retention is read.
+        #[command(flatten)]
+        broker: args::BrokerArgs,
     },
     /// Drive the sagas defined in TOML files, over RabbitMQ, with their steps served by
     /// other processes. A saga starts from a start message on <prefix>.<saga>.start: an
@@ -208,6 +211,13 @@ enum Command {
         /// Serve Prometheus metrics at HOST:PORT while running (e.g. 127.0.0.1:9464).
         #[arg(long, value_name = "HOST:PORT")]
         metrics_addr: Option<String>,
+        // Queue type, TTL and where the queues' retention is read.
+        #[command(flatten)]
+        broker: args::BrokerArgs,
+        /// Start even when a start queue keeps messages longer than the inbox ttl (30
+        /// days), or without limit (logged as a warning).
+        #[arg(long)]
+        force_short_ttl: bool,
     },
     /// Show the inbox's partitions and reach, duplicate deliveries, sagas by status and
     /// the outbox's backlog, counted from the tables, with warnings for what needs a person.
@@ -228,6 +238,16 @@ enum Command {
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
+        /// Also report the retention of the broker's queues (<prefix>.*), measured
+        /// through its management API: amqp://user:password@host:port/vhost.
+        #[arg(long, value_name = "URL")]
+        amqp_url: Option<String>,
+        /// The queues reported with --amqp-url are <prefix>.<consumer_type>.
+        #[arg(long, default_value = "sagabox")]
+        queue_prefix: String,
+        /// The RabbitMQ management API (default: http://<broker host>:15672).
+        #[arg(long, value_name = "URL")]
+        amqp_management_url: Option<String>,
     },
     /// List sagas, show one's timeline, retry or cancel a stuck one (safe while
     /// orchestrators run).
@@ -564,6 +584,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             seed,
             metrics_addr,
             retention,
+            broker,
         } => {
             let inbox = retention
                 .config()
@@ -580,6 +601,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             let mut amqp =
                 sagabox::amqp::AmqpConfig::new(transport).with_queue_prefix(queue_prefix);
             amqp.prefetch = prefetch;
+            let amqp = broker.apply(amqp).with_inbox(&inbox);
             if let Err(error) = amqp.validate() {
                 usage_error("serve", format_args!("--transport: {error}"));
             }
@@ -611,6 +633,8 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             resume_interval_ms,
             history_retention_days,
             metrics_addr,
+            broker,
+            force_short_ttl,
         } => {
             let mut definitions = Vec::with_capacity(sagas.len());
             for path in &sagas {
@@ -623,11 +647,18 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                     });
                 definitions.push(definition);
             }
-            let transport = sagabox::transport::Transport::from_url(&transport, &queue_prefix)
-                .and_then(|transport| transport.validate().map(|()| transport))
+            let mut transport = sagabox::transport::Transport::from_url(&transport, &queue_prefix)
                 .unwrap_or_else(|error| {
                     usage_error("orchestrate", format_args!("--transport: {error}"))
                 });
+            if let sagabox::transport::Transport::Amqp(amqp) = &mut transport {
+                *amqp = broker.apply(amqp.clone());
+                amqp.retention_check =
+                    Some(InboxConfig::default().with_ttl_below_retention_allowed(force_short_ttl));
+            }
+            if let Err(error) = transport.validate() {
+                usage_error("orchestrate", format_args!("--transport: {error}"));
+            }
             if let Some(addr) = metrics_addr {
                 start_metrics(&addr).map_err(|error| failed("orchestrate", error, false))?;
             }
@@ -696,16 +727,37 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             broker_retention_days,
             partitions_ahead,
             json,
+            amqp_url,
+            queue_prefix,
+            amqp_management_url,
         } => {
             let config = inbox_config(ttl_days, broker_retention_days, partitions_ahead);
             if let Err(error) = config.validate() {
                 usage_error("inspect", error);
             }
             let options = InspectOptions {
-                config,
+                config: config.clone(),
                 ..InspectOptions::default()
             };
-            report("inspect", inspect(&database_url, &options).await, json)?;
+            let mut inspected = inspect(&database_url, &options)
+                .await
+                .map_err(|error| failed("inspect", error, json))?;
+            if let Some(url) = amqp_url {
+                let mut amqp = sagabox::amqp::AmqpConfig::new(url).with_queue_prefix(queue_prefix);
+                amqp.management_url = amqp_management_url;
+                if let Err(error) = amqp.validate() {
+                    usage_error("inspect", format_args!("--amqp-url: {error}"));
+                }
+                inspected = inspected
+                    .with_broker(&amqp, &config)
+                    .await
+                    .map_err(|error| failed("inspect", error, json))?;
+            }
+            report(
+                "inspect",
+                Ok::<_, std::convert::Infallible>(inspected),
+                json,
+            )?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench {

@@ -1,12 +1,13 @@
 //! Connecting, declaring the queues, and publishing with confirms.
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use lapin::{Confirmation, PublisherConfirm};
 
 use super::codec;
-use super::config::{AmqpConfig, AmqpError};
+use super::config::{AmqpConfig, AmqpError, QueueType};
 use crate::database::redact;
 use crate::envelope::{ConsumerType, Envelope};
 
@@ -37,7 +38,18 @@ const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Declares `consumer_type`'s queue and its dead-letter queue, both durable. The main
 /// queue dead-letters into the dead queue, so a message rejected without requeue by any
-/// client lands there too.
+/// client, one past its `x-message-ttl`, or (quorum) one past its delivery limit lands
+/// there too.
+///
+/// The main queue is a [`QueueType`] queue with `x-message-ttl` set to
+/// [`AmqpConfig::message_ttl`]; a quorum queue also gets `x-delivery-limit` (a message
+/// is delivered at most [`AmqpConfig::max_redeliveries`] times) and at-least-once
+/// dead-lettering, so a letter the broker moves is not dropped on the way. The dead queue
+/// is a classic queue without a TTL whatever the main queue is: a dead letter waits for an
+/// operator (`sagabox dlq`) however long that takes, and a dead queue declared by an older
+/// sagabox keeps its letters when its main queue moves to quorum.
+///
+/// A queue that exists with other arguments is [`AmqpError::QueueMismatch`], with the fix.
 pub async fn declare(
     channel: &Channel,
     config: &AmqpConfig,
@@ -53,6 +65,33 @@ pub async fn declare(
         )
         .await
         .map_err(AmqpError::broker("declare the dead-letter queue"))?;
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::durable(),
+            queue_arguments(config, &dead),
+        )
+        .await
+        .map_err(|source| match precondition_failed(&source) {
+            Some(detail) => AmqpError::QueueMismatch {
+                queue: queue.clone(),
+                queue_type: config.queue_type,
+                ttl: match config.message_ttl {
+                    Some(ttl) => format!("x-message-ttl {} ms", ttl.as_millis()),
+                    None => "no x-message-ttl".to_owned(),
+                },
+                detail,
+            },
+            None => AmqpError::Broker {
+                operation: "declare the queue",
+                source,
+            },
+        })?;
+    Ok(queue)
+}
+
+/// The arguments of a consumer type's main queue, dead-lettering into `dead`.
+pub(crate) fn queue_arguments(config: &AmqpConfig, dead: &str) -> FieldTable {
     let mut arguments = FieldTable::default();
     arguments.insert(
         "x-dead-letter-exchange".into(),
@@ -60,17 +99,58 @@ pub async fn declare(
     );
     arguments.insert(
         "x-dead-letter-routing-key".into(),
-        AMQPValue::LongString(dead.as_str().into()),
+        AMQPValue::LongString(dead.into()),
     );
-    channel
-        .queue_declare(
-            queue.as_str().into(),
-            QueueDeclareOptions::durable(),
-            arguments,
-        )
-        .await
-        .map_err(AmqpError::broker("declare the queue"))?;
-    Ok(queue)
+    if let Some(ttl) = config.message_ttl {
+        // validate() keeps it within RabbitMQ's range; saturate rather than wrap anyway.
+        let millis = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
+        arguments.insert("x-message-ttl".into(), AMQPValue::LongLongInt(millis));
+    }
+    if config.queue_type == QueueType::Quorum {
+        arguments.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        arguments.insert(
+            "x-delivery-limit".into(),
+            AMQPValue::LongLongInt(i64::from(delivery_limit(config))),
+        );
+        // At-least-once dead-lettering keeps a letter in the queue until the dead queue
+        // confirmed it; RabbitMQ requires reject-publish overflow with it (no length
+        // limit is set, so nothing is ever rejected for it).
+        arguments.insert(
+            "x-dead-letter-strategy".into(),
+            AMQPValue::LongString("at-least-once".into()),
+        );
+        arguments.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString("reject-publish".into()),
+        );
+    }
+    arguments
+}
+
+/// The `x-delivery-limit` of a quorum queue: RabbitMQ dead-letters a message returned
+/// when it has been delivered more than the limit, so a message is delivered at most
+/// `limit + 1` times, the `max_redeliveries` attempts of the classic path.
+pub(crate) fn delivery_limit(config: &AmqpConfig) -> u32 {
+    config.max_redeliveries.saturating_sub(1)
+}
+
+/// The broker's explanation when it refused a declare as `PRECONDITION_FAILED` (the
+/// queue exists with other arguments).
+fn precondition_failed(error: &lapin::Error) -> Option<String> {
+    match error.kind() {
+        lapin::ErrorKind::ProtocolError(amqp)
+            if matches!(
+                amqp.kind(),
+                AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED)
+            ) =>
+        {
+            Some(amqp.get_message().to_string())
+        }
+        _ => None,
+    }
 }
 
 /// Whether a publish must reach a queue.

@@ -1,10 +1,59 @@
 //! Where the broker is and how the transport behaves: [`AmqpConfig`], validated before
-//! anything connects; [`AmqpError`], the transport's typed errors.
+//! anything connects; [`QueueType`], how its queues are declared; [`AmqpError`], the
+//! transport's typed errors.
 
+use std::fmt;
+use std::str::FromStr;
 use std::time::Duration;
 
 use crate::database::redact;
 use crate::envelope::{ConsumerType, validate_key};
+use crate::inbox::InboxConfig;
+use crate::retention::RetentionError;
+
+/// How sagabox declares the durable queue of a consumer type.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum QueueType {
+    /// A quorum queue (`x-queue-type=quorum`): replicated, and it counts redeliveries
+    /// itself (`x-delivery-limit`), dead-lettering a message that reaches the limit. A
+    /// retryable failure is a `basic.nack` with requeue. The default for new queues.
+    #[default]
+    Quorum,
+    /// A classic queue, as sagabox declared them before quorum queues: a retryable failure
+    /// is published again with an `x-sagabox-attempts` count, since the queue counts
+    /// nothing. For queues that already exist as classic ones.
+    Classic,
+}
+
+impl QueueType {
+    /// `quorum` or `classic`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            QueueType::Quorum => "quorum",
+            QueueType::Classic => "classic",
+        }
+    }
+}
+
+impl fmt::Display for QueueType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for QueueType {
+    type Err = AmqpError;
+
+    fn from_str(value: &str) -> Result<Self, Self::Err> {
+        match value {
+            "quorum" => Ok(QueueType::Quorum),
+            "classic" => Ok(QueueType::Classic),
+            other => Err(AmqpError::Config(format!(
+                "unknown queue type {other:?}: use quorum or classic"
+            ))),
+        }
+    }
+}
 
 /// How to reach RabbitMQ and how consumers behave.
 #[derive(Debug, Clone)]
@@ -24,6 +73,33 @@ pub struct AmqpConfig {
     pub reconnect_backoff: Duration,
     /// The longest wait between reconnection attempts. Defaults to 5 s.
     pub max_reconnect_backoff: Duration,
+    /// How the consumer types' queues are declared. An existing queue keeps its type: a
+    /// declare with another one is refused ([`AmqpError::QueueMismatch`]). Defaults to
+    /// [`QueueType::Quorum`].
+    pub queue_type: QueueType,
+    /// The `x-message-ttl` set on every consumer type's queue (not on its `.dead`
+    /// queue, whose letters wait for an operator): the broker's retention, which the inbox
+    /// TTL must cover. `None` declares none, for queues declared without one before, whose
+    /// retention a policy sets. A [`Participant`](crate::Participant) sets it to its
+    /// [`InboxConfig::broker_retention`]. Defaults to 14 days
+    /// (`InboxConfig::default().broker_retention`).
+    pub message_ttl: Option<Duration>,
+    /// The management HTTP API, `http://host:port`, where a queue's real retention (its
+    /// arguments and policies) is read. The credentials and the vhost are the AMQP URL's.
+    /// Defaults to `None`: the AMQP URL's host on port 15672.
+    pub management_url: Option<String>,
+    /// When the management API cannot be reached, take the queue's retention to be the
+    /// `x-message-ttl` declared ([`message_ttl`](Self::message_ttl)) instead of refusing
+    /// to start. Safe when one is declared: RabbitMQ refuses a declare whose
+    /// `x-message-ttl` differs from the queue's, and a policy can only lower it. Defaults
+    /// to `false`.
+    pub trust_declared_retention: bool,
+    /// The inbox whose TTL must cover the retention of every durable queue a consumer
+    /// reads: checked when the consumer starts ([`check_retention`](super::check_retention)),
+    /// which then refuses to start. `None` skips the check (a consumer without an inbox).
+    /// A [`Participant`](crate::Participant) sets it to its own. Defaults to
+    /// `Some(InboxConfig::default())`.
+    pub retention_check: Option<InboxConfig>,
 }
 
 impl AmqpConfig {
@@ -36,7 +112,44 @@ impl AmqpConfig {
             max_redeliveries: 5,
             reconnect_backoff: Duration::from_millis(100),
             max_reconnect_backoff: Duration::from_secs(5),
+            queue_type: QueueType::default(),
+            message_ttl: Some(InboxConfig::default().broker_retention),
+            management_url: None,
+            trust_declared_retention: false,
+            retention_check: Some(InboxConfig::default()),
         }
+    }
+
+    /// Declares the queues as `queue_type`.
+    pub fn with_queue_type(mut self, queue_type: QueueType) -> Self {
+        self.queue_type = queue_type;
+        self
+    }
+
+    /// Declares and checks the queues for `inbox`: `x-message-ttl` set to its
+    /// [`broker_retention`](InboxConfig::broker_retention) (unless
+    /// [`message_ttl`](Self::message_ttl) is `None`: a policy's), and every consumer's
+    /// queue retention checked against its TTL.
+    pub fn with_inbox(mut self, inbox: &InboxConfig) -> Self {
+        if self.message_ttl.is_some() {
+            self.message_ttl = Some(inbox.broker_retention);
+        }
+        self.retention_check = Some(inbox.clone());
+        self
+    }
+
+    /// The management API's base URL, `http://host:port`: the configured one, or the
+    /// AMQP URL's host on port 15672.
+    pub fn management_base(&self) -> String {
+        if let Some(url) = &self.management_url {
+            return url.trim_end_matches('/').to_owned();
+        }
+        let host = self
+            .url
+            .parse::<lapin::uri::AMQPUri>()
+            .map(|uri| uri.authority.host)
+            .unwrap_or_else(|_| "127.0.0.1".to_owned());
+        format!("http://{host}:15672")
     }
 
     /// Uses `prefix` for queue names.
@@ -69,6 +182,22 @@ impl AmqpConfig {
             return Err(AmqpError::Config(
                 "the reconnect backoff must be above zero and at most its maximum".into(),
             ));
+        }
+        if let Some(ttl) = self.message_ttl
+            && (ttl.as_millis() == 0 || ttl.as_millis() > u128::from(u32::MAX))
+        {
+            return Err(AmqpError::Config(format!(
+                "the queue message ttl of {ttl:?} is outside what RabbitMQ takes: give 1 ms \
+                 to about 49 days (x-message-ttl is in milliseconds, at most 2^32 - 1)"
+            )));
+        }
+        if let Some(url) = &self.management_url
+            && !url.starts_with("http://")
+        {
+            return Err(AmqpError::Config(format!(
+                "the management API URL {} is not http://host:port",
+                redact(url)
+            )));
         }
         Ok(())
     }
@@ -131,6 +260,44 @@ pub enum AmqpError {
         /// Where it was published.
         queue: String,
     },
+    /// The queue exists with other arguments than those sagabox declares (another queue
+    /// type, `x-message-ttl` or delivery limit): RabbitMQ refused the declare
+    /// (`PRECONDITION_FAILED`).
+    #[error(
+        "queue {queue} exists with other arguments than sagabox declares ({queue_type} queue, \
+         {ttl}): RabbitMQ said \"{detail}\"; declare it as it is (--queue-type classic for a \
+         classic queue, --broker-retention-days matching its x-message-ttl, --no-queue-ttl for \
+         one without), or move it: see \"Moving a classic queue to quorum\" in \
+         docs/operations.md"
+    )]
+    QueueMismatch {
+        /// The queue.
+        queue: String,
+        /// The type sagabox declared.
+        queue_type: QueueType,
+        /// The `x-message-ttl` sagabox declared, in words.
+        ttl: String,
+        /// The broker's explanation.
+        detail: String,
+    },
+    /// The management API did not say what a queue's retention is.
+    #[error(
+        "cannot read the retention of queue {queue} from the RabbitMQ management API at {url}: \
+         {reason}; enable it (rabbitmq-plugins enable rabbitmq_management), point \
+         --amqp-management-url at it, or pass --trust-declared-retention to take the \
+         x-message-ttl sagabox declares as the retention"
+    )]
+    Management {
+        /// The management API's base URL.
+        url: String,
+        /// The queue measured.
+        queue: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A queue keeps messages longer than the inbox remembers them, or without limit.
+    #[error(transparent)]
+    Retention(#[from] RetentionError),
 }
 
 impl AmqpError {
@@ -174,6 +341,31 @@ mod tests {
         let payment = ConsumerType::new("payment").unwrap();
         assert_eq!(config.queue(&payment), "sagabox.payment");
         assert_eq!(config.dead_queue(&payment), "sagabox.payment.dead");
+    }
+
+    #[test]
+    fn queues_are_quorum_with_the_inbox_retention_as_ttl() {
+        let config = AmqpConfig::new("amqp://x");
+        assert_eq!(config.queue_type, QueueType::Quorum);
+        assert_eq!("classic".parse::<QueueType>().unwrap(), QueueType::Classic);
+        assert!("lazy".parse::<QueueType>().is_err());
+        let inbox = InboxConfig::default().with_broker_retention(Duration::from_secs(86_400));
+        let config = config.with_inbox(&inbox);
+        assert_eq!(config.message_ttl, Some(Duration::from_secs(86_400)));
+        assert_eq!(
+            config.retention_check.as_ref().map(|i| i.ttl),
+            Some(inbox.ttl)
+        );
+        let mut without = AmqpConfig::new("amqp://x");
+        without.message_ttl = None;
+        assert_eq!(
+            without.with_inbox(&inbox).message_ttl,
+            None,
+            "a policy's, kept"
+        );
+        let mut long = AmqpConfig::new("amqp://x");
+        long.message_ttl = Some(Duration::from_secs(60 * 86_400));
+        assert!(long.validate().unwrap_err().to_string().contains("49 days"));
     }
 
     #[test]

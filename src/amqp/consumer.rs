@@ -7,11 +7,16 @@
 //!   unknown kind) is dead-lettered at once into `<prefix>.<consumer_type>.dead` with
 //!   the headers `x-sagabox-dead-reason` (a stable code) and `x-sagabox-dead-detail`
 //!   (what was wrong); the consumer goes on with the next message.
-//! - A retryable failure is requeued with an attempt count: classic queues do not count
-//!   redeliveries, so the message is published again to the back of its queue with
-//!   `x-sagabox-attempts` incremented (after a short backoff) and the original acked.
-//!   After [`AmqpConfig::max_redeliveries`] attempts it is dead-lettered
-//!   (`retries_exhausted`).
+//! - A retryable failure is requeued, after a short backoff. On a quorum queue
+//!   ([`QueueType::Quorum`]) it is a `basic.nack` with requeue: the broker counts the
+//!   deliveries (`x-delivery-count`) and dead-letters the message itself at the queue's
+//!   `x-delivery-limit` (`sagabox dlq list` shows it as `retries_exhausted`). Classic
+//!   queues count nothing, so there the message is published again to the back of its
+//!   queue with `x-sagabox-attempts` incremented and the original acked; after
+//!   [`AmqpConfig::max_redeliveries`] attempts it is dead-lettered (`retries_exhausted`).
+//! - Before the first message, the retention of a durable queue is checked against the
+//!   inbox TTL ([`AmqpConfig::retention_check`], [`check_retention`](super::check_retention)):
+//!   a queue that may redeliver after the inbox forgot is refused.
 //! - A lost connection ends the session: deliveries not yet acked come back from the
 //!   broker (the inbox absorbs those already applied), and the consumer reconnects with
 //!   backoff.
@@ -27,7 +32,9 @@ use std::time::Duration;
 use futures_lite::StreamExt;
 use futures_util::FutureExt;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+};
 use lapin::types::{AMQPValue, FieldTable};
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
@@ -35,7 +42,7 @@ use tracing::Instrument;
 
 use super::broker::{self, Publisher, Routing};
 use super::codec;
-use super::config::{AmqpConfig, AmqpError};
+use super::config::{AmqpConfig, AmqpError, QueueType};
 use crate::delivery::{
     ATTEMPTS_HEADER, ConsumerStats, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler,
     Disposition,
@@ -44,6 +51,9 @@ use crate::envelope::{ConsumerType, Envelope};
 use crate::metrics::DeadReason;
 use crate::supervisor::panic_message;
 use crate::trace;
+
+/// The header in which a quorum queue counts a message's earlier deliveries.
+pub(crate) const DELIVERY_COUNT_HEADER: &str = "x-delivery-count";
 
 /// How long deliveries in flight get to end after their connection was lost.
 const IN_FLIGHT_GRACE: Duration = Duration::from_secs(5);
@@ -115,7 +125,9 @@ pub struct Consumer;
 
 impl Consumer {
     /// Checks `config`, connects once (so a wrong URL fails here, not in the
-    /// background), declares the queues, and starts consuming.
+    /// background), declares the queues, checks a durable queue's retention against
+    /// [`AmqpConfig::retention_check`] (an error, before any message is taken, when the
+    /// inbox TTL does not cover it), and starts consuming.
     pub async fn spawn<H: DeliveryHandler>(
         config: AmqpConfig,
         options: ConsumerOptions,
@@ -129,8 +141,15 @@ impl Consumer {
             .create_channel()
             .await
             .map_err(AmqpError::broker("open a channel"))?;
-        declare_source(&channel, &config, &options).await?;
+        let queue = declare_source(&channel, &config, &options).await?;
         let _ = channel.close(200, "declared".into()).await;
+        // A private queue lives only as long as its connection: nothing to check.
+        if let (None, Some(inbox)) = (&options.private_queue, &config.retention_check)
+            && let Err(error) = super::management::check_retention(&config, &queue, inbox).await
+        {
+            let _ = first.close(200, "refused".into()).await;
+            return Err(error);
+        }
         let (stop, stopped) = watch::channel(false);
         let stats = Arc::new(ConsumerStats::default());
         let session = Session {
@@ -397,6 +416,9 @@ impl<H: DeliveryHandler> Work<H> {
     }
 
     async fn retry(&self, delivery: &Delivery, reason: &str) -> Result<(), AmqpError> {
+        if self.config.queue_type == QueueType::Quorum && self.options.private_queue.is_none() {
+            return self.nack(delivery, reason).await;
+        }
         let attempts = codec::count_header(&delivery.properties, ATTEMPTS_HEADER)
             .unwrap_or(0)
             .saturating_add(1);
@@ -415,6 +437,35 @@ impl<H: DeliveryHandler> Work<H> {
             .publish_raw(&self.queue, &delivery.data, properties, Routing::Required)
             .await?;
         self.ack(delivery).await?;
+        self.stats.requeued.fetch_add(1, Relaxed);
+        Ok(())
+    }
+
+    /// A quorum queue's retry: back to the queue with `basic.nack`, which counts the
+    /// delivery; the broker dead-letters the message past its delivery limit.
+    async fn nack(&self, delivery: &Delivery, reason: &str) -> Result<(), AmqpError> {
+        // x-delivery-count is 0 (or absent) on a first delivery, 1 on the second, ...
+        let attempts = codec::count_header(&delivery.properties, DELIVERY_COUNT_HEADER)
+            .unwrap_or(0)
+            .saturating_add(1);
+        if attempts >= self.config.max_redeliveries {
+            tracing::warn!(
+                queue = %self.queue,
+                attempts,
+                reason,
+                "last retry failed; the broker dead-letters the message at its delivery limit"
+            );
+        }
+        // The requeued message comes back at once: wait first, as the classic path does.
+        tokio::time::sleep(backoff(attempts)).await;
+        delivery
+            .acker
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..BasicNackOptions::default()
+            })
+            .await
+            .map_err(AmqpError::broker("nack"))?;
         self.stats.requeued.fetch_add(1, Relaxed);
         Ok(())
     }

@@ -119,10 +119,13 @@ pub struct DeadLetter {
     /// The envelope's `saga_id`, when there is one.
     pub saga_id: Option<String>,
     /// The `x-sagabox-dead-reason` header: one of [`DeadReason::ALL`]'s codes for a
-    /// message sagabox dead-lettered; `None` for one the broker dead-lettered (a reject
-    /// without requeue, an expired message).
+    /// message sagabox dead-lettered. For one the broker dead-lettered, from its
+    /// `x-death` reason: `retries_exhausted` when a quorum queue's delivery limit was
+    /// reached; `None` for the others (a reject without requeue by another client, a
+    /// message past the queue's `x-message-ttl`).
     pub reason: Option<String>,
-    /// The `x-sagabox-dead-detail` header: what exactly was wrong.
+    /// The `x-sagabox-dead-detail` header: what exactly was wrong; for a letter the
+    /// broker dead-lettered, the broker's reason and queue.
     pub detail: Option<String>,
     /// The `x-sagabox-attempts` header: retryable failures before it was dead-lettered.
     pub attempts: Option<u32>,
@@ -155,8 +158,16 @@ impl DeadLetter {
             message_id: properties.message_id().as_ref().map(ToString::to_string),
             kind: field("kind"),
             saga_id: field("saga_id"),
-            reason: codec::header(properties, DEAD_REASON_HEADER),
-            detail: codec::header(properties, DEAD_DETAIL_HEADER),
+            reason: codec::header(properties, DEAD_REASON_HEADER).or_else(|| {
+                broker_death(properties)
+                    .filter(|(reason, _)| reason == BROKER_DELIVERY_LIMIT)
+                    .map(|_| DeadReason::RetriesExhausted.as_str().to_owned())
+            }),
+            detail: codec::header(properties, DEAD_DETAIL_HEADER).or_else(|| {
+                broker_death(properties).map(|(reason, queue)| {
+                    format!("dead-lettered by RabbitMQ from {queue}: {reason}")
+                })
+            }),
             attempts: codec::count_header(properties, ATTEMPTS_HEADER),
             replayed: codec::count_header(properties, REPLAYED_HEADER),
             published_at,
@@ -212,6 +223,30 @@ pub struct ReplayReport {
     pub left: u32,
     /// The messages replayed, in order, as they were before the replay.
     pub messages: Vec<DeadLetter>,
+}
+
+/// The `x-death` reason of a message a quorum queue dead-lettered at its delivery limit.
+const BROKER_DELIVERY_LIMIT: &str = "delivery_limit";
+
+/// The reason and source queue of the broker's latest dead-lettering of a message (the
+/// first entry of its `x-death` header), if the broker dead-lettered it.
+fn broker_death(properties: &BasicProperties) -> Option<(String, String)> {
+    let headers = properties.headers().as_ref()?;
+    let AMQPValue::FieldArray(deaths) = headers.inner().get("x-death")? else {
+        return None;
+    };
+    let AMQPValue::FieldTable(death) = deaths.as_slice().first()? else {
+        return None;
+    };
+    let text = |name: &str| match death.inner().get(name) {
+        Some(AMQPValue::LongString(value)) => Some(value.to_string()),
+        Some(AMQPValue::ShortString(value)) => Some(value.as_str().to_owned()),
+        _ => None,
+    };
+    Some((
+        text("reason")?,
+        text("queue").unwrap_or_else(|| "?".to_owned()),
+    ))
 }
 
 /// A connection to the broker, for reading and replaying one dead-letter queue.

@@ -89,6 +89,18 @@ impl Rabbit {
         .expect("declare");
     }
 
+    /// Declares `consumer_type`'s queues as `config` says (its type and TTL).
+    #[allow(dead_code)]
+    pub async fn declare_with(&self, config: &AmqpConfig, consumer_type: &str) {
+        sagabox::amqp::declare(
+            &self.channel,
+            config,
+            &ConsumerType::new(consumer_type).expect("consumer type"),
+        )
+        .await
+        .expect("declare");
+    }
+
     /// Publishes raw bytes to `queue` as a plain AMQP client would.
     pub async fn publish_raw(&self, queue: &str, body: &[u8], properties: BasicProperties) {
         self.channel
