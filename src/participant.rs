@@ -427,6 +427,12 @@ impl<S: InboxStore + Clone> Participant<S> {
             return Err(ParticipantError::NoSteps);
         }
         self.inbox.validate()?;
+        // Queues and streams are declared with the inbox's broker retention, and checked
+        // against its TTL.
+        self.transport
+            .clone()
+            .with_retention_of(&self.inbox)
+            .validate()?;
         let mut seen = HashSet::new();
         let mut checked = Vec::with_capacity(self.steps.len());
         for step in &self.steps {
@@ -489,12 +495,6 @@ impl<S: InboxStore + Clone> Participant<S> {
     /// with a handle to stop it. On an error nothing is left running.
     pub async fn start(self) -> Result<ParticipantHandle, ParticipantError> {
         let checked = self.check()?;
-        // Queues and streams are declared with the inbox's broker retention, and checked
-        // against its TTL.
-        self.transport
-            .clone()
-            .with_retention_of(&self.inbox)
-            .validate()?;
         let prefetch = usize::from(self.transport.prefetch());
         for step in &checked {
             if step.workers > prefetch {

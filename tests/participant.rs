@@ -401,7 +401,12 @@ async fn shutdown_finishes_and_acks_the_deliveries_in_flight() {
         ..Ledger::default()
     };
     let started = Arc::clone(&ledger.started);
-    let participant = Participant::new(pg.store(8).await, rabbit.config.clone())
+    // A classic queue: a quorum queue keeps a cancelled consumer in its consumer count
+    // until that consumer's deliveries are settled, which hides the cancel this test
+    // watches for.
+    let mut config = rabbit.config.clone();
+    config.queue_type = sagabox::amqp::QueueType::Classic;
+    let participant = Participant::new(pg.store(8).await, config)
         .step("ledger", ledger)
         .workers(5);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
