@@ -283,6 +283,9 @@ pub async fn serve_step(
     linger: Duration,
     inbox: &InboxConfig,
 ) -> Result<ConsumerHandle, TransportError> {
+    // A RabbitMQ queue's retention is checked against the inbox in its own config.
+    #[cfg(not(feature = "nats"))]
+    let _ = inbox;
     match transport {
         #[cfg(feature = "rabbitmq")]
         Transport::Amqp(config) if batch > 1 => {

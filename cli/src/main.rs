@@ -598,11 +598,14 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                 );
             }
             let (roles, orchestrator) = split_roles(&role);
-            let mut amqp =
-                sagabox::amqp::AmqpConfig::new(transport).with_queue_prefix(queue_prefix);
-            amqp.prefetch = prefetch;
-            let amqp = broker.apply(amqp).with_inbox(&inbox);
-            if let Err(error) = amqp.validate() {
+            let mut transport = sagabox::transport::Transport::from_url(&transport, &queue_prefix)
+                .unwrap_or_else(|error| usage_error("serve", format_args!("--transport: {error}")))
+                .with_prefetch(prefetch);
+            if let sagabox::transport::Transport::Amqp(amqp) = &mut transport {
+                *amqp = broker.apply(amqp.clone());
+            }
+            let transport = transport.with_retention_of(&inbox);
+            if let Err(error) = transport.validate() {
                 usage_error("serve", format_args!("--transport: {error}"));
             }
             if let Some(addr) = metrics_addr {
@@ -611,7 +614,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             let config = sagabox_checkout::ServeConfig {
                 roles,
                 orchestrator,
-                amqp,
+                transport,
                 workers,
                 fail_rate,
                 seed,

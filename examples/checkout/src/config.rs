@@ -51,7 +51,8 @@ pub struct DemoConfig {
 /// The demo over RabbitMQ.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DemoTransport {
-    /// `amqp://user:password@host:port/vhost`.
+    /// `amqp://user:password@host:port/vhost` (RabbitMQ) or `nats://host:port` (NATS
+    /// JetStream).
     pub url: String,
     /// Queue names are `<prefix>.<consumer_type>`. Defaults to `sagabox`.
     pub queue_prefix: String,
@@ -70,9 +71,12 @@ impl DemoTransport {
         }
     }
 
-    pub(crate) fn amqp(&self) -> sagabox::amqp::AmqpConfig {
-        sagabox::amqp::AmqpConfig::new(self.url.clone())
-            .with_queue_prefix(self.queue_prefix.clone())
+    /// The broker the URL names (RabbitMQ or NATS JetStream) under the queue prefix.
+    pub(crate) fn transport(&self) -> Result<sagabox::transport::Transport, DemoError> {
+        Ok(sagabox::transport::Transport::from_url(
+            &self.url,
+            &self.queue_prefix,
+        )?)
     }
 }
 
@@ -136,12 +140,15 @@ pub enum DemoError {
     /// RabbitMQ failed.
     #[error(transparent)]
     Broker(#[from] sagabox::amqp::AmqpError),
+    /// The broker (RabbitMQ or NATS) failed or was refused.
+    #[error(transparent)]
+    Transport(#[from] sagabox::transport::TransportError),
     /// The participants did not start, or a part of them died.
     #[error(transparent)]
     Participant(#[from] sagabox::ParticipantError),
     /// The orchestrator service did not start, or it ended.
     #[error(transparent)]
-    Orchestrate(#[from] sagabox::amqp::OrchestrateError),
+    Orchestrate(#[from] sagabox::orchestrate::OrchestrateError),
 }
 
 impl From<sagabox::database::ConnectError> for DemoError {
@@ -201,7 +208,7 @@ impl DemoConfig {
             }
         }
         if let Some(transport) = &self.transport {
-            transport.amqp().validate()?;
+            transport.transport()?.validate()?;
         }
         Ok(())
     }

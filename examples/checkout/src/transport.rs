@@ -1,5 +1,5 @@
-//! How the demo's orchestrator reaches its steps: step pools in this process, or
-//! RabbitMQ ([`DemoDispatch`]); and [`serve`], the participants (and an orchestrator
+//! How the demo's orchestrator reaches its steps: step pools in this process, or a
+//! broker — RabbitMQ or NATS JetStream ([`DemoDispatch`]); and [`serve`], the participants (and an orchestrator
 //! for checkout sagas) as a long-running service behind `sagabox serve`, on the
 //! library's [`Participant`] runtime and [`orchestrate`].
 
@@ -7,16 +7,18 @@ use std::collections::BTreeSet;
 use std::future::Future;
 use std::time::Duration;
 
-use sagabox::amqp::{AmqpConfig, AmqpDispatch, OrchestrateConfig, RelayConfig, orchestrate};
 use sagabox::clock::Clock;
 use sagabox::envelope::ConsumerType;
 use sagabox::inbox::{InboxConfig, InboxGuard};
+use sagabox::orchestrate::{OrchestrateConfig, orchestrate};
 use sagabox::orchestrator::{Dispatch, InProcess};
 use sagabox::participant::{PrunerSettings, StepOptions};
+use sagabox::relay::RelayConfig;
 use sagabox::saga::{SagaDefinition, SagaStore};
 use sagabox::step::{StepFailure, StepHandler, StepPool, StepPoolConfig, StepReply};
 use sagabox::store::InboxStore;
 use sagabox::supervisor::Supervision;
+use sagabox::transport::{Dispatcher, Transport};
 use sagabox::{Envelope, Participant, ParticipantHandle};
 
 use crate::{CheckoutStep, DemoError, FailAfterWrite};
@@ -86,7 +88,7 @@ fn handler_of(
 /// queue, taking the kinds `definition` gives it.
 fn participant<S>(
     store: S,
-    amqp: AmqpConfig,
+    transport: Transport,
     definition: &SagaDefinition,
     roles: &[ConsumerType],
     fail_rate: f64,
@@ -97,7 +99,7 @@ where
     S: InboxStore + Clone,
     CheckoutStep: StepHandler<S::Db>,
 {
-    let mut participant = Participant::new(store, amqp);
+    let mut participant = Participant::new(store, transport);
     for role in roles {
         let options = StepOptions::default()
             .kinds(kinds_of(definition, role))
@@ -109,17 +111,17 @@ where
     Ok(participant)
 }
 
-/// The demo's [`Dispatch`]: step pools in process, or RabbitMQ.
+/// The demo's [`Dispatch`]: step pools in process, or a broker.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum DemoDispatch {
     /// Step pools in this process.
     InProcess(InProcess),
-    /// Commands and replies through RabbitMQ; participants in this process too unless
+    /// Commands and replies through a broker; participants in this process too unless
     /// they run elsewhere (`sagabox serve`).
-    Amqp {
+    Broker {
         /// The orchestrator's side.
-        dispatch: Box<AmqpDispatch>,
+        dispatch: Box<Dispatcher>,
         /// The participants served from this process, if any.
         participants: Option<ParticipantHandle>,
     },
@@ -157,13 +159,13 @@ impl DemoDispatch {
             }
             return Ok(DemoDispatch::InProcess(dispatch));
         };
-        let amqp = transport.amqp();
+        let broker = transport.transport()?;
         let participants = if transport.external_participants {
             None
         } else {
             let participant = participant(
                 guard.store().clone(),
-                amqp.clone(),
+                broker.clone(),
                 definition,
                 &roles,
                 fail_rate,
@@ -175,13 +177,13 @@ impl DemoDispatch {
             .skip_migrations();
             Some(participant.start().await?)
         };
-        let dispatch = AmqpDispatch::connect(
-            amqp,
+        let dispatch = Dispatcher::connect(
+            &broker,
             guard.clone(),
             ConsumerType::new(ORCHESTRATOR).map_err(|e| DemoError::Config(e.to_string()))?,
         )
         .await?;
-        Ok(DemoDispatch::Amqp {
+        Ok(DemoDispatch::Broker {
             dispatch: Box::new(dispatch),
             participants,
         })
@@ -191,7 +193,7 @@ impl DemoDispatch {
     /// process, which report to the run's supervision).
     pub(crate) async fn failed(&self) -> DemoError {
         match self {
-            DemoDispatch::Amqp {
+            DemoDispatch::Broker {
                 participants: Some(participants),
                 ..
             } => participants.failed().await.into(),
@@ -203,7 +205,7 @@ impl DemoDispatch {
     pub async fn stop(self) {
         match self {
             DemoDispatch::InProcess(dispatch) => dispatch.stop().await,
-            DemoDispatch::Amqp {
+            DemoDispatch::Broker {
                 dispatch,
                 participants,
             } => {
@@ -229,7 +231,7 @@ impl Dispatch for DemoDispatch {
             DemoDispatch::InProcess(dispatch) => {
                 dispatch.dispatch(consumer_type, envelope, timeout).await
             }
-            DemoDispatch::Amqp { dispatch, .. } => {
+            DemoDispatch::Broker { dispatch, .. } => {
                 dispatch.dispatch(consumer_type, envelope, timeout).await
             }
         }
@@ -244,8 +246,8 @@ pub struct ServeConfig {
     /// Also run an orchestrator for checkout sagas: it takes start messages on
     /// `<prefix>.checkout.start` and resumes unfinished sagas.
     pub orchestrator: bool,
-    /// The broker and queue settings.
-    pub amqp: AmqpConfig,
+    /// The broker and its queue or subject settings.
+    pub transport: Transport,
     /// Workers per step pool.
     pub workers: usize,
     /// Share of handler runs failing after their write, before commit (fault injection).
@@ -284,7 +286,7 @@ pub async fn serve(
             "nothing to serve: give --role payment, inventory, email, orchestrator or all".into(),
         ));
     }
-    config.amqp.validate()?;
+    config.transport.validate()?;
     // One connection per step worker, the relay's and the pruner's, a few for setup,
     // and the orchestrator's drivers.
     let orchestrator_connections = if config.orchestrator { 16 } else { 0 };
@@ -320,7 +322,7 @@ enum StopCause {
     /// A part of the participants died.
     Participants(sagabox::ParticipantError),
     /// The orchestrator ended by itself (an actor of it died, or the broker failed).
-    Orchestrator(Result<(), sagabox::amqp::OrchestrateError>),
+    Orchestrator(Result<(), sagabox::orchestrate::OrchestrateError>),
 }
 
 /// A future that resolves once `stop` says so.
@@ -353,7 +355,7 @@ where
     } else {
         let participant = participant(
             store.clone(),
-            config.amqp.clone(),
+            config.transport.clone(),
             &definition,
             &config.roles,
             config.fail_rate,
@@ -378,7 +380,7 @@ where
         }
         let orchestrate_config = OrchestrateConfig {
             definitions: vec![definition.clone()],
-            transport: config.amqp.clone().into(),
+            transport: config.transport.clone(),
             resume_interval: config.resume_interval,
             history_retention: Some(sagabox::saga::DEFAULT_HISTORY_RETENTION),
         };
@@ -391,17 +393,17 @@ where
     let queues: Vec<String> = config
         .roles
         .iter()
-        .map(|role| config.amqp.queue(role))
+        .map(|role| config.transport.destination(role))
         .collect();
     tracing::info!(
         target: SERVE_TARGET,
         version = env!("CARGO_PKG_VERSION"),
         database,
-        broker = %sagabox::database::redact(&config.amqp.url),
+        broker = config.transport.broker(),
         queues = %sagabox::logging::json_list(&queues),
         orchestrator = config.orchestrator,
         workers = config.workers,
-        prefetch = config.amqp.prefetch,
+        prefetch = config.transport.prefetch(),
         batch = config.batch,
         ttl_days = config.inbox.ttl.as_secs() / 86_400,
         "serving"
