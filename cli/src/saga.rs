@@ -176,6 +176,7 @@ async fn on<St: SagaStore>(store: &St, command: SagaCommand) -> Result<Answer, S
                 state: status.map(SagaState::from),
                 saga_name: saga,
                 limit,
+                ..SagaFilter::default()
             };
             let mut lines = Vec::new();
             for saga in store.list(&filter).await? {
