@@ -55,7 +55,7 @@ pub(crate) fn per_minute(from: DateTime<Utc>, bars: &[MinuteBar]) -> Markup {
             @for h in 0..=hours {
                 @let x = LEFT + (h * 60) as f64 * slot;
                 line x1=(x) y1=(base) x2=(x) y2=(base + 4.0) stroke="#8a94a6" {}
-                text x=(x - 14.0) y=(HEIGHT - 4.0) { (minute(from, h * 60)) }
+                text x=(x) y=(HEIGHT - 4.0) text-anchor=(if h == hours { "end" } else { "middle" }) { (minute(from, h * 60)) }
             }
         }
     }

@@ -73,17 +73,11 @@ pub(crate) async fn page(State(console): State<Shared>) -> Result<Markup, PageEr
             h1 { "Overview" }
             div.cards {
                 @for state in STATES {
-                    div.card id={ "count-" (state) } {
+                    div.card.warn[state == "parked" && parked > 0] id={ "count-" (state) } {
                         a href={ "/sagas?status=" (state) } {
                             div.n { (table.total(state)) }
                             div.l { (state) }
                         }
-                    }
-                }
-                div.card.warn[parked > 0] id="parked" {
-                    a href="/sagas?status=parked" {
-                        div.n { (parked) }
-                        div.l { "parked: waiting for an operator" }
                     }
                 }
                 div.card.warn[dead_total.unwrap_or(0) > 0] id="dead-letters" {
