@@ -380,6 +380,56 @@ async fn every_page_shows_what_sql_counts() {
     assert!(css.contains("--ink"));
 }
 
+/// The same pages on the embedded database: a demo in an SQLite file, the overview's
+/// counts, the chart and a timeline as SQL reads them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pages_read_an_sqlite_file_too() {
+    let fx = common::Lite::new().await;
+    let output = common::sagabox_command(&["demo", "--database-url", &fx.url, "--orders", "40"])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "demo: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let console = Console::start(&fx.url, &[]);
+    let overview = page(&console, "/").await;
+    for state in ["completed", "compensated"] {
+        let sql: i64 = sqlx::query_scalar("SELECT count(*) FROM saga_instances WHERE status = $1")
+            .bind(state)
+            .fetch_one(&fx.pool)
+            .await
+            .unwrap();
+        let shown = number_after(
+            &overview,
+            &format!("id=\"count-{state}\""),
+            "<div class=\"n\">",
+        );
+        assert_eq!(shown, sql, "{state}");
+    }
+    assert!(overview.contains("completed</title>"), "the chart's bars");
+    let list = page(&console, "/sagas?status=completed&age=1h").await;
+    let first = saga_links(&list)
+        .into_iter()
+        .next()
+        .expect("a completed saga");
+    let saga = page(&console, &first).await;
+    let id = first.trim_start_matches("/sagas/");
+    let events: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM sagabox_saga_events WHERE saga_id = $1")
+            .bind(id)
+            .fetch_one(&fx.pool)
+            .await
+            .unwrap();
+    assert_eq!(saga.matches("<tr data-kind=").count() as i64, events);
+    assert!(
+        page(&console, "/inbox")
+            .await
+            .contains("table id=\"partitions\"")
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn actions_need_the_flag_the_csrf_token_and_off_loopback_the_token() {
     let fx = demo_database("5").await;

@@ -29,18 +29,18 @@ pub(crate) const STATES: [&str; 5] = [
 pub(crate) async fn page(State(console): State<Shared>) -> Result<Markup, PageError> {
     let now = Utc::now();
     let from = chart_start(now);
-    let (counts, finished) = on_store!(&console.db, |store| {
-        let counts = store.counts().await.map_err(PageError::read)?;
-        let finished = store
-            .finished_per_minute(from)
-            .await
-            .map_err(PageError::read)?;
-        (counts, finished)
+    // Side by side: each is a scan or a round trip of its own, and the page waits for all.
+    let (counts, finished, report, dead) = on_store!(&console.db, |store| {
+        tokio::join!(
+            store.counts(),
+            store.finished_per_minute(from),
+            inspect(&console.config.database_url, &console.config.inspect),
+            dead::counts(&console),
+        )
     });
-    let report = inspect(&console.config.database_url, &console.config.inspect)
-        .await
-        .map_err(PageError::read)?;
-    let dead = dead::counts(&console).await;
+    let counts = counts.map_err(PageError::read)?;
+    let finished = finished.map_err(PageError::read)?;
+    let report = report.map_err(PageError::read)?;
 
     let mut bars = vec![MinuteBar::default(); usize::try_from(CHART_HOURS * 60).unwrap_or(0)];
     for minute in &finished {
