@@ -439,6 +439,14 @@ async fn actions_need_the_flag_the_csrf_token_and_off_loopback_the_token() {
     let (status, body) = post(&reading, "/sagas/hostile-1/retry", "csrf=anything").await;
     assert_eq!(status, 403, "{body}");
     assert!(body.contains("--allow-actions"), "{body}");
+    // A page of another site whose name resolves to 127.0.0.1 (DNS rebinding) is refused.
+    let rebound = client()
+        .get(reading.url("/"))
+        .header("host", "evil.example")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(rebound.status().as_u16(), 403);
     drop(reading);
 
     let acting = Console::start(&fx.url, &["--allow-actions"]);

@@ -1,5 +1,6 @@
 //! Who may use the console: off loopback a `--token` is required, and when one is set
-//! every request must carry it (an `Authorization: Bearer` header, or the cookie the
+//! every request must carry it; without one, only requests that name a loopback host are
+//! answered (an `Authorization: Bearer` header, or the cookie the
 //! console sets when a link with `?token=` is opened); every action is a POST whose
 //! form carries the process's CSRF token, so that another site cannot make an
 //! operator's browser act.
@@ -65,6 +66,16 @@ pub(crate) async fn check_token(
     next: Next,
 ) -> Response {
     let Some(expected) = console.config.token.as_deref() else {
+        // Without a token the console listens on loopback only; a page of another site
+        // whose name was made to resolve to 127.0.0.1 (DNS rebinding) still names its
+        // own host, and is refused here before it can read a page or its CSRF token.
+        if !loopback_host(request.headers()) {
+            return PageError::new(
+                StatusCode::FORBIDDEN,
+                "this console answers only to localhost, 127.0.0.1 or [::1]: give it a --token to be reached by another name",
+            )
+            .into_response();
+        }
         return next.run(request).await;
     };
     let from_query = request
@@ -111,6 +122,26 @@ pub(crate) fn check_action(console: &Shared, csrf: &str) -> Result<(), PageError
     Ok(())
 }
 
+/// Whether the request's `Host` names a loopback address (a request without one, from
+/// HTTP/1.0, cannot come from a browser page and passes).
+fn loopback_host(headers: &HeaderMap) -> bool {
+    let Some(host) = headers.get(header::HOST) else {
+        return true;
+    };
+    let Ok(host) = host.to_str() else {
+        return false;
+    };
+    // Without the port: `[::1]:8080`, `127.0.0.1:8080`, `localhost`.
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 fn bearer(headers: &HeaderMap) -> Option<&str> {
     headers
         .get(header::AUTHORIZATION)?
@@ -152,6 +183,36 @@ mod tests {
             Err(ListenError::TokenTooShort(5))
         );
         assert_eq!(check_listen(public, Some("0123456789abcdef")), Ok(()));
+    }
+
+    #[test]
+    fn only_loopback_names_pass_without_a_token() {
+        let with = |host: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(
+                header::HOST,
+                host.parse().unwrap_or_else(|_| unreachable!()),
+            );
+            loopback_host(&headers)
+        };
+        for host in [
+            "127.0.0.1:8080",
+            "localhost",
+            "LOCALHOST:1",
+            "[::1]:8080",
+            "127.1.2.3",
+        ] {
+            assert!(with(host), "{host}");
+        }
+        for host in [
+            "evil.example",
+            "evil.example:8080",
+            "10.0.0.1:8080",
+            "[::2]:80",
+            "localhost.evil",
+        ] {
+            assert!(!with(host), "{host}");
+        }
     }
 
     #[test]
