@@ -33,6 +33,6 @@ pub use instance::{
 #[cfg(feature = "postgres")]
 pub(crate) use store::history_months;
 pub use store::{
-    DEFAULT_HISTORY_RETENTION, HISTORY_PARTITION_PREFIX, HistoryPruned, SagaFilter, SagaStore,
-    Started, history_pass,
+    DEFAULT_HISTORY_RETENTION, FinishedMinute, HISTORY_PARTITION_PREFIX, HistoryPruned, SagaCount,
+    SagaCursor, SagaFilter, SagaStore, Started, history_pass,
 };

@@ -280,7 +280,7 @@ macro_rules! saga_ops_suite {
                 let resumed = ractor::call!(orchestrator, OrchestratorMessage::ResumeAll).unwrap().unwrap();
                 assert_eq!(resumed, 0, "a parked saga is not resumed");
                 let listed = |state: Option<SagaState>, name: Option<&str>| {
-                    let filter = SagaFilter { state, saga_name: name.map(str::to_owned), limit: 10 };
+                    let filter = SagaFilter { state, saga_name: name.map(str::to_owned), limit: 10, ..SagaFilter::default() };
                     let store = setup.store.clone();
                     async move {
                         store.list(&filter).await.unwrap().into_iter().map(|s| s.id).collect::<Vec<_>>()
@@ -550,6 +550,62 @@ macro_rules! saga_ops_suite {
                     <$fixture>::scalar(&setup.fx, "SELECT COUNT(*) FROM sagabox_saga_definitions").await,
                     2
                 );
+            }
+
+            /// What an operator's overview reads: sagas per definition and state (parked
+            /// apart), finished sagas per minute, and listings narrowed by age and paged
+            /// by a cursor, newest first, that together list every saga once.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn counts_finished_minutes_and_paged_listings_read_what_the_table_holds() {
+                let setup = Setup::new().await;
+                let order = definition(ORDER_V1);
+                let minute = chrono::DateTime::from_timestamp(1_800_000_000, 0).unwrap();
+                let mut conn = setup.store.pool().acquire().await.unwrap();
+                let states = [
+                    (SagaStatus::Completed, false, 0),
+                    (SagaStatus::Completed, false, 0),
+                    (SagaStatus::Completed, false, 1),
+                    (SagaStatus::Compensated, false, 1),
+                    (SagaStatus::Running, false, 2),
+                    (SagaStatus::Compensating, true, 2),
+                ];
+                for (n, (status, parked, minutes)) in states.into_iter().enumerate() {
+                    let at = minute + TimeDelta::minutes(minutes) + TimeDelta::seconds(n as i64);
+                    let mut saga = SagaInstance::under(&order, format!("s-{n}"), json!({}), at);
+                    saga.status = status;
+                    saga.parked = parked.then(|| "held".to_owned());
+                    <$store as SagaStore>::insert(&mut conn, &saga).await.unwrap();
+                }
+                drop(conn);
+                let mut counts: Vec<(String, &str, i64)> = setup.store.counts().await.unwrap()
+                    .into_iter().map(|c| (c.saga_name, c.state.as_str(), c.sagas)).collect();
+                counts.sort();
+                let order_counts = |state: &'static str, n: i64| ("order".to_owned(), state, n);
+                assert_eq!(counts, [
+                    order_counts("compensated", 1), order_counts("completed", 3),
+                    order_counts("parked", 1), order_counts("running", 1),
+                ]);
+                let finished: Vec<(i64, &str, i64)> = setup.store.finished_per_minute(minute).await.unwrap()
+                    .into_iter().map(|m| ((m.minute - minute).num_minutes(), m.status.as_str(), m.sagas)).collect();
+                assert_eq!(finished, [(0, "completed", 2), (1, "compensated", 1), (1, "completed", 1)]);
+                let later = setup.store.finished_per_minute(minute + TimeDelta::minutes(1)).await.unwrap();
+                assert_eq!(later.iter().map(|m| m.sagas).sum::<i64>(), 2);
+
+                let mut filter = SagaFilter { limit: 4, ..SagaFilter::default() };
+                let first = setup.store.list(&filter).await.unwrap();
+                let ids: Vec<&str> = first.iter().map(|s| s.id.as_str()).collect();
+                assert_eq!(ids, ["s-5", "s-4", "s-3", "s-2"]);
+                filter.after = first.last().map(sagabox::saga::SagaCursor::of);
+                let second = setup.store.list(&filter).await.unwrap();
+                let ids: Vec<&str> = second.iter().map(|s| s.id.as_str()).collect();
+                assert_eq!(ids, ["s-1", "s-0"]);
+                let recent = SagaFilter {
+                    created_since: Some(minute + TimeDelta::minutes(1)),
+                    state: Some(SagaState::Status(SagaStatus::Completed)),
+                    ..SagaFilter::default()
+                };
+                let ids: Vec<String> = setup.store.list(&recent).await.unwrap().into_iter().map(|s| s.id).collect();
+                assert_eq!(ids, ["s-2"]);
             }
         }
     };

@@ -1,11 +1,12 @@
 //! The `sagabox` command line: `demo`, `serve`, `orchestrate`, `migrate`, `prune`,
-//! `inspect`, `saga`, `dlq`, `bench`.
+//! `inspect`, `saga`, `dlq`, `bench`, `console`.
 //!
 //! Exit status: 0 done; 1 the run failed (the cause on stderr, and with `--json` also as
 //! `{"error": "…"}` on stdout); 2 a usage error (clap's, or a value refused after
 //! parsing, with the same shape); 3 `demo` ran and found damage (its verdict).
 
 mod bench;
+mod console;
 mod dlq;
 mod orchestrate;
 mod saga;
@@ -337,6 +338,11 @@ enum Command {
     /// letters without taking them, `replay` sends them back to their queue.
     #[command(subcommand)]
     Dlq(dlq::DlqCommand),
+    /// Serve a web page for operators until interrupted: sagas by state and definition,
+    /// each saga's timeline and data, the inbox against its TTL, the dead letters; with
+    /// --allow-actions, retry, cancel and replay (the same code as `saga` and `dlq`).
+    #[command(after_help = EXIT_STATUS)]
+    Console(console::ConsoleArgs),
 }
 
 /// Prints `result`: a table, or one JSON object with `json`; a failure through
@@ -491,6 +497,7 @@ async fn main() -> ExitCode {
         Command::Inspect { database_url, .. } => Some(("inspect", database_url)),
         Command::Bench { database_url, .. } => Some(("bench", database_url)),
         Command::Saga { command } => Some(("saga", command.database_url())),
+        Command::Console(args) => Some(("console", &args.database_url)),
         // The broker only.
         Command::Dlq(_) => None,
     };
@@ -521,6 +528,7 @@ async fn main() -> ExitCode {
 async fn run(command: Command) -> Result<ExitCode, ExitCode> {
     match command {
         Command::Dlq(command) => dlq::run(command).await,
+        Command::Console(args) => console::run(args, interrupted()).await,
         Command::Demo {
             database_url,
             orders,

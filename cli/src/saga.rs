@@ -176,6 +176,7 @@ async fn on<St: SagaStore>(store: &St, command: SagaCommand) -> Result<Answer, S
                 state: status.map(SagaState::from),
                 saga_name: saga,
                 limit,
+                ..SagaFilter::default()
             };
             let mut lines = Vec::new();
             for saga in store.list(&filter).await? {
@@ -207,7 +208,7 @@ async fn on<St: SagaStore>(store: &St, command: SagaCommand) -> Result<Answer, S
 }
 
 /// The operator's note with who wrote it: the login name, as far as the process knows it.
-fn signed(note: &str) -> String {
+pub(crate) fn signed(note: &str) -> String {
     let who = std::env::var("USER")
         .or_else(|_| std::env::var("LOGNAME"))
         .unwrap_or_else(|_| "an operator".to_owned());
@@ -216,11 +217,15 @@ fn signed(note: &str) -> String {
 
 /// Step names by definition version, read once each.
 #[derive(Default)]
-struct StepNames(HashMap<(String, u32), Option<SagaDefinition>>);
+pub(crate) struct StepNames(HashMap<(String, u32), Option<SagaDefinition>>);
 
 impl StepNames {
     /// The name of the step `saga` is at, when its definition version is stored.
-    async fn of<St: SagaStore>(&mut self, store: &St, saga: &SagaInstance) -> Option<String> {
+    pub(crate) async fn of<St: SagaStore>(
+        &mut self,
+        store: &St,
+        saga: &SagaInstance,
+    ) -> Option<String> {
         let key = (saga.saga_name.clone(), saga.definition_version);
         if !self.0.contains_key(&key) {
             let definition = stored_definition(store, &key.0, key.1).await.ok();

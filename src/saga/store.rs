@@ -16,7 +16,7 @@ use sqlx::{Database, Row};
 use crate::month::Month;
 use crate::saga::history::{self, HistoryEntry, SagaEvent};
 use crate::saga::versions::RegisterError;
-use crate::saga::{Direction, EventKind, SagaDefinition, SagaInstance, SagaState};
+use crate::saga::{Direction, EventKind, SagaDefinition, SagaInstance, SagaState, SagaStatus};
 
 /// What [`SagaStore::create_if_absent`] found.
 #[derive(Debug, Clone, PartialEq)]
@@ -81,11 +81,17 @@ pub const HISTORY_PARTITION_PREFIX: &str = "sagabox_saga_events_";
 /// Which sagas [`SagaStore::list`] returns.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SagaFilter {
-    /// Only sagas in this state; `None` for all.
+    /// Only sagas in this state; `None` for all. Defaults to `None`.
     pub state: Option<SagaState>,
-    /// Only sagas of this definition; `None` for all.
+    /// Only sagas of this definition; `None` for all. Defaults to `None`.
     pub saga_name: Option<String>,
-    /// At most this many, newest first.
+    /// Only sagas created at or after this instant; `None` for any age. Defaults to `None`.
+    pub created_since: Option<DateTime<Utc>>,
+    /// Only sagas listed after this one, newest first: the next page of a listing whose
+    /// last saga this was. A cursor rather than an offset, so that a page deep into a
+    /// large table costs what the first one does. Defaults to `None`.
+    pub after: Option<SagaCursor>,
+    /// At most this many, newest first. Defaults to 100.
     pub limit: u32,
 }
 
@@ -94,9 +100,53 @@ impl Default for SagaFilter {
         Self {
             state: None,
             saga_name: None,
+            created_since: None,
+            after: None,
             limit: 100,
         }
     }
+}
+
+/// Where a page of [`SagaStore::list`] ended: the last saga it listed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SagaCursor {
+    /// The saga's creation time.
+    pub created_at: DateTime<Utc>,
+    /// The saga's id, which orders sagas created at the same instant.
+    pub id: String,
+}
+
+impl SagaCursor {
+    /// The cursor just past `saga`.
+    pub fn of(saga: &SagaInstance) -> Self {
+        Self {
+            created_at: saga.created_at,
+            id: saga.id.clone(),
+        }
+    }
+}
+
+/// How many sagas of one definition are in one state ([`SagaStore::counts`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SagaCount {
+    /// The definition's name.
+    pub saga_name: String,
+    /// The state; parked sagas are counted apart from their status.
+    pub state: SagaState,
+    /// How many.
+    pub sagas: i64,
+}
+
+/// How many sagas ended in one status within one minute
+/// ([`SagaStore::finished_per_minute`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FinishedMinute {
+    /// The minute's first instant.
+    pub minute: DateTime<Utc>,
+    /// `completed` or `compensated`.
+    pub status: SagaStatus,
+    /// Sagas whose last change, the one that finished them, fell in that minute.
+    pub sagas: i64,
 }
 
 /// Where saga instances, their history and their definitions are stored: the same
@@ -157,6 +207,16 @@ pub trait SagaStore: Clone + Send + Sync + 'static {
         &self,
         filter: &SagaFilter,
     ) -> impl Future<Output = Result<Vec<SagaInstance>, sqlx::Error>> + Send;
+
+    /// How many sagas there are, per definition and state: one row per pair that has any.
+    fn counts(&self) -> impl Future<Output = Result<Vec<SagaCount>, sqlx::Error>> + Send;
+
+    /// Sagas finished (completed or compensated) since `since`, per minute of their last
+    /// change and status, oldest first: minutes with none are left out.
+    fn finished_per_minute(
+        &self,
+        since: DateTime<Utc>,
+    ) -> impl Future<Output = Result<Vec<FinishedMinute>, sqlx::Error>> + Send;
 
     /// The history of saga `id`, oldest first: empty for an unknown id.
     fn history(
@@ -253,8 +313,13 @@ const LIST: &str = concat!(
      WHERE (CAST($1 AS TEXT) IS NULL OR status = $1) \
        AND (CAST($2 AS BOOLEAN) IS NULL OR (parked_reason IS NOT NULL) = CAST($2 AS BOOLEAN)) \
        AND (CAST($3 AS TEXT) IS NULL OR saga_name = $3) \
+       AND ($5 IS NULL OR created_at >= $5) \
+       AND ($6 IS NULL OR created_at < $6 OR (created_at = $6 AND id < $7)) \
      ORDER BY created_at DESC, id DESC LIMIT $4"
 );
+/// Sagas per definition and state.
+const COUNTS: &str = "SELECT saga_name, status, parked_reason IS NOT NULL AS parked, \
+    COUNT(*) AS sagas FROM saga_instances GROUP BY saga_name, status, parked_reason IS NOT NULL";
 const HISTORY: &str = "SELECT version, at, kind, step, direction, attempt, duration_ms, detail \
     FROM sagabox_saga_events WHERE saga_id = $1 ORDER BY version, ordinal";
 const REGISTER: &str = "INSERT INTO sagabox_saga_definitions \
@@ -284,6 +349,12 @@ mod pg {
     );
     /// Saves the state alone, for a save without events.
     pub(super) const UPDATE: &str = save_progress!();
+    /// Finished sagas per minute (as seconds since the epoch) and status.
+    pub(super) const FINISHED_PER_MINUTE: &str = "SELECT \
+        CAST(floor(extract(epoch FROM updated_at) / 60) * 60 AS BIGINT) AS minute, status, \
+        COUNT(*) AS sagas FROM saga_instances \
+        WHERE status IN ('completed', 'compensated') AND updated_at >= $1 \
+        GROUP BY 1, 2 ORDER BY 1, 2";
     /// Saves the state and its events in one statement: no event row without the state's
     /// update, which the version fence may refuse.
     pub(super) const SAVE: &str = concat!(
@@ -308,6 +379,12 @@ mod lite {
     pub(super) const STARTED: &str = "INSERT INTO sagabox_saga_events \
         (saga_id, saga_created_at, version, ordinal, at, kind) VALUES ($1, $2, 0, 0, $3, 'started')";
     pub(super) const UPDATE: &str = concat!(save_progress!(), " RETURNING version");
+    /// Finished sagas per minute (as seconds since the epoch) and status: the stored
+    /// timestamps are RFC 3339 text, which `unixepoch` reads.
+    pub(super) const FINISHED_PER_MINUTE: &str = "SELECT \
+        (unixepoch(updated_at) / 60) * 60 AS minute, status, COUNT(*) AS sagas \
+        FROM saga_instances WHERE status IN ('completed', 'compensated') AND updated_at >= $1 \
+        GROUP BY 1, 2 ORDER BY 1, 2";
     pub(super) const EVENTS: &str = "INSERT INTO sagabox_saga_events (saga_id, saga_created_at, \
         version, ordinal, at, kind, step, direction, attempt, duration_ms, detail) \
         SELECT $1, $2, $3, json_extract(value, '$.ordinal'), json_extract(value, '$.at'), \
@@ -406,7 +483,7 @@ fn command_round(instance: &SagaInstance) -> i32 {
 }
 
 macro_rules! common_methods {
-    ($db:ty) => {
+    ($db:ty, $finished_per_minute:expr) => {
         async fn load(&self, id: &str) -> Result<Option<SagaInstance>, sqlx::Error> {
             let row = sqlx::query(SELECT)
                 .bind(id)
@@ -475,9 +552,59 @@ macro_rules! common_methods {
                 .bind(parked)
                 .bind(filter.saga_name.as_deref())
                 .bind(i64::from(filter.limit))
+                .bind(filter.created_since)
+                .bind(filter.after.as_ref().map(|cursor| cursor.created_at))
+                .bind(filter.after.as_ref().map(|cursor| cursor.id.as_str()))
                 .fetch_all(self.pool())
                 .await?;
             rows.iter().map(from_row).collect()
+        }
+
+        async fn counts(&self) -> Result<Vec<SagaCount>, sqlx::Error> {
+            let rows = sqlx::query(COUNTS).fetch_all(self.pool()).await?;
+            rows.iter()
+                .map(|row| {
+                    let status: String = row.try_get("status")?;
+                    let status: SagaStatus = status
+                        .parse()
+                        .map_err(|error| sqlx::Error::Decode(Box::new(error)))?;
+                    let parked: bool = row.try_get("parked")?;
+                    Ok(SagaCount {
+                        saga_name: row.try_get("saga_name")?,
+                        state: if parked {
+                            SagaState::Parked
+                        } else {
+                            SagaState::Status(status)
+                        },
+                        sagas: row.try_get("sagas")?,
+                    })
+                })
+                .collect()
+        }
+
+        async fn finished_per_minute(
+            &self,
+            since: DateTime<Utc>,
+        ) -> Result<Vec<FinishedMinute>, sqlx::Error> {
+            let rows = sqlx::query($finished_per_minute)
+                .bind(since)
+                .fetch_all(self.pool())
+                .await?;
+            rows.iter()
+                .map(|row| {
+                    let minute: i64 = row.try_get("minute")?;
+                    let status: String = row.try_get("status")?;
+                    Ok(FinishedMinute {
+                        minute: DateTime::from_timestamp(minute, 0).ok_or_else(|| {
+                            sqlx::Error::Decode(format!("minute {minute} out of range").into())
+                        })?,
+                        status: status
+                            .parse()
+                            .map_err(|error| sqlx::Error::Decode(Box::new(error)))?,
+                        sagas: row.try_get("sagas")?,
+                    })
+                })
+                .collect()
         }
     };
 }
@@ -685,7 +812,7 @@ impl SagaStore for crate::PostgresStore {
         Ok(pruned)
     }
 
-    common_methods!(sqlx::Postgres);
+    common_methods!(sqlx::Postgres, pg::FINISHED_PER_MINUTE);
 }
 
 #[cfg(feature = "sqlite")]
@@ -776,7 +903,7 @@ impl SagaStore for crate::SqliteStore {
         })
     }
 
-    common_methods!(sqlx::Sqlite);
+    common_methods!(sqlx::Sqlite, lite::FINISHED_PER_MINUTE);
 }
 
 /// The saga `instance` started: itself when `inserted`, else the stored one read back
