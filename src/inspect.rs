@@ -223,19 +223,51 @@ pub struct InspectReport {
 /// One broker queue's retention as measured on the broker, beside the inbox TTL.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct QueueReport {
-    /// The queue.
+    /// The queue (or JetStream stream).
     pub queue: String,
-    /// Its type (`quorum`, `classic`), as the broker reports it.
+    /// Its type (`quorum`, `classic`, as the broker reports it; `stream` on JetStream).
     pub queue_type: Option<String>,
     /// What the broker applies, in days; `None`: unbounded.
     pub retention_days: Option<f64>,
-    /// Its `x-message-ttl` argument, in days.
+    /// Its `x-message-ttl` argument (a stream's `max_age`), in days.
     pub argument_days: Option<f64>,
     /// The lowest `message-ttl` of the policies applied to it, in days.
     pub policy_days: Option<f64>,
     /// Whether the inbox TTL covers the retention (a redelivery cannot outlive the
     /// inbox's memory of the message).
     pub covered: bool,
+}
+
+#[cfg(feature = "nats")]
+impl InspectReport {
+    /// Adds the retention (`max_age`) of every work stream of `nats`'s prefix, with a
+    /// warning for each one the inbox TTL (`inbox`) does not cover.
+    pub async fn with_streams(
+        mut self,
+        nats: &crate::nats::NatsConfig,
+        inbox: &InboxConfig,
+    ) -> Result<Self, crate::nats::NatsError> {
+        for (stream, retention) in crate::nats::prefixed_streams(nats).await? {
+            let covered = matches!(retention, crate::retention::Retention::Bounded(kept) if kept <= inbox.ttl);
+            if !covered {
+                self.warnings.push(format!(
+                    "stream {stream} keeps messages for {retention}, beyond the inbox ttl of \
+                     {:.1} days: a consumer of it refuses to start; lower its max_age \
+                     (nats stream edit {stream} --max-age …) or raise the ttl",
+                    inbox.ttl.as_secs_f64() / 86_400.0
+                ));
+            }
+            self.broker_queues.push(QueueReport {
+                retention_days: retention.days(),
+                argument_days: retention.days(),
+                policy_days: None,
+                queue: stream,
+                queue_type: Some("stream".to_owned()),
+                covered,
+            });
+        }
+        Ok(self)
+    }
 }
 
 #[cfg(feature = "rabbitmq")]

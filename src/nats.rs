@@ -25,5 +25,6 @@ pub use config::{NatsConfig, NatsError};
 pub use consumer::{Consumer, ConsumerHandle, ConsumerOptions};
 pub use dispatch::{NatsDispatch, serve_step};
 pub use jetstream::{
-    RETENTION_SETTING, connect, declare, durable_consumer, measured_retention, publish,
+    RETENTION_SETTING, connect, declare, durable_consumer, measured_retention, prefixed_streams,
+    publish,
 };

@@ -11,6 +11,7 @@ mod common;
 #[allow(dead_code, unreachable_pub)]
 mod jetstream;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 use std::time::Duration;
@@ -24,6 +25,8 @@ use sagabox::nats::{
     Consumer, ConsumerHandle, ConsumerOptions, NatsDispatch, NatsError, codec, serve_step,
 };
 use sagabox::orchestrator::Dispatch;
+use sagabox::outbox::OutboxWriter;
+use sagabox::relay::{Relay, RelayArguments, RelayConfig, RelayMessage};
 use sagabox::retention::RetentionError;
 use sagabox::step::{StepError, StepHandler, StepOutcome, StepPool, StepPoolConfig};
 use sagabox::{
@@ -517,6 +520,151 @@ async fn restarted_under_a_consumer(crash: bool) {
         eprintln!(
             "left in the work queue after the crash (applied, not redelivered): {}",
             js.pending("payment").await
+        );
+    }
+}
+
+/// Fails every UPDATE of the outbox while `fail_marks` has a row: a relay that
+/// published and then could not mark — what a crash between the two leaves.
+const FAIL_MARKS: &str = "
+CREATE TABLE fail_marks (armed BOOLEAN);
+INSERT INTO fail_marks VALUES (true);
+CREATE FUNCTION fail_mark() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF EXISTS (SELECT 1 FROM fail_marks) THEN RAISE EXCEPTION 'relay crashed before marking'; END IF;
+  RETURN NEW;
+END $$;
+CREATE TRIGGER fail_mark BEFORE UPDATE ON sagabox_outbox FOR EACH ROW EXECUTE FUNCTION fail_mark();";
+
+async fn write_outbox(pg: &Pg, aggregates: usize, per_aggregate: usize) {
+    let payment = Js::consumer_type("payment");
+    let mut tx = pg.pool.begin().await.unwrap();
+    for n in 0..per_aggregate {
+        for a in 0..aggregates {
+            let out =
+                <PgConnection as OutboxWriter>::message("charge", json!({"aggregate": a, "n": n}))
+                    .unwrap();
+            (*tx)
+                .publish(&payment, &format!("order-{a}"), &out)
+                .await
+                .unwrap();
+        }
+    }
+    tx.commit().await.unwrap();
+}
+
+async fn spawn_relay(
+    source: sqlx::PgPool,
+    js: &Js,
+) -> (ractor::ActorRef<RelayMessage>, tokio::task::JoinHandle<()>) {
+    let arguments = RelayArguments {
+        source,
+        transport: js.config.clone().into(),
+        config: RelayConfig {
+            batch: 20,
+            poll_interval: Duration::from_millis(10),
+            ..RelayConfig::default()
+        },
+    };
+    let (relay, handle) = ractor::Actor::spawn(None, Relay::new(), arguments)
+        .await
+        .unwrap();
+    (relay, handle)
+}
+
+#[tokio::test]
+async fn rows_a_relay_published_before_failing_to_mark_go_again_and_the_window_drops_them() {
+    let (pg, js) = (Pg::new().await, Js::new(&["payment"]).await);
+    pg.exec(EFFECTS).await;
+    pg.exec(FAIL_MARKS).await;
+    write_outbox(&pg, 1, 5).await;
+    let guard = guard(pg.store(4).await);
+    let (relay, relay_handle) = spawn_relay(pg.pool.clone(), &js).await;
+    // Published, then the mark fails: the rows stay pending.
+    let flushed = ractor::call!(relay, RelayMessage::Flush).unwrap();
+    assert!(
+        flushed
+            .unwrap_err()
+            .contains("relay crashed before marking")
+    );
+    assert_eq!(js.pending("payment").await, 5);
+    pg.exec("DELETE FROM fail_marks").await;
+    common::wait_for("the rows marked sent", async || {
+        pg.scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")
+            .await
+            == 0
+    })
+    .await;
+    relay.stop(None);
+    relay_handle.await.unwrap();
+    // Published twice under the same Nats-Msg-Id: JetStream kept one copy of each.
+    assert_eq!(js.pending("payment").await, 5);
+    let duplicates = Arc::new(AtomicU32::new(0));
+    let consumer = guarded_consumer(&js, &guard, "payment", Arc::clone(&duplicates)).await;
+    let stats = Arc::clone(consumer.stats());
+    common::wait_for("five deliveries", async || stats.acked.load(SeqCst) == 5).await;
+    consumer.stop().await;
+    assert_eq!(
+        pg.scalar("SELECT COUNT(DISTINCT message_id) FROM effects")
+            .await,
+        5
+    );
+    assert_eq!(pg.scalar("SELECT COUNT(*) FROM effects").await, 5);
+    assert_eq!(js.pending("payment").await, 0);
+}
+
+#[tokio::test]
+async fn several_relays_publish_each_row_once_in_order_per_aggregate() {
+    const AGGREGATES: usize = 8;
+    const PER_AGGREGATE: usize = 40;
+    let (pg, js) = (Pg::new().await, Js::new(&["payment"]).await);
+    write_outbox(&pg, AGGREGATES, PER_AGGREGATE).await;
+    let mut relays = Vec::new();
+    for _ in 0..4 {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .connect(&pg.url)
+            .await
+            .unwrap();
+        relays.push(spawn_relay(pool, &js).await);
+    }
+    common::wait_for("every row sent", async || {
+        pg.scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")
+            .await
+            == 0
+    })
+    .await;
+    for (relay, handle) in relays {
+        relay.stop(None);
+        handle.await.unwrap();
+    }
+    let total = (AGGREGATES * PER_AGGREGATE) as u64;
+    assert_eq!(js.pending("payment").await, total, "each row stored once");
+    // The stream's order, read by sequence, is the order per aggregate.
+    let stream = js
+        .context
+        .get_stream(js.config.stream(&Js::consumer_type("payment")))
+        .await
+        .unwrap();
+    let mut seen: HashMap<u64, Vec<u64>> = HashMap::new();
+    for sequence in 1..=total {
+        let message = stream.get_raw_message(sequence).await.unwrap();
+        let envelope = codec::decode(
+            Some(&message.headers),
+            &message.payload,
+            &Default::default(),
+        )
+        .unwrap();
+        seen.entry(envelope.payload["aggregate"].as_u64().unwrap())
+            .or_default()
+            .push(envelope.payload["n"].as_u64().unwrap());
+    }
+    assert_eq!(seen.len(), AGGREGATES);
+    for (aggregate, ns) in seen {
+        let expected: Vec<u64> = (0..PER_AGGREGATE as u64).collect();
+        assert_eq!(
+            ns, expected,
+            "aggregate {aggregate} out of order or repeated"
         );
     }
 }

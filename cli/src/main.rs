@@ -243,7 +243,12 @@ enum Command {
         /// through its management API: amqp://user:password@host:port/vhost.
         #[arg(long, value_name = "URL")]
         amqp_url: Option<String>,
-        /// The queues reported with --amqp-url are <prefix>.<consumer_type>.
+        /// Also report the retention (max_age) of the NATS JetStream work streams of the
+        /// prefix, measured on the server: nats://host:port.
+        #[arg(long, value_name = "URL")]
+        nats_url: Option<String>,
+        /// The queues reported with --amqp-url are <prefix>.<consumer_type> (the streams
+        /// with --nats-url, <prefix>_<consumer_type>).
         #[arg(long, default_value = "sagabox")]
         queue_prefix: String,
         /// The RabbitMQ management API (default: http://<broker host>:15672).
@@ -739,6 +744,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             partitions_ahead,
             json,
             amqp_url,
+            nats_url,
             queue_prefix,
             amqp_management_url,
         } => {
@@ -754,13 +760,24 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                 .await
                 .map_err(|error| failed("inspect", error, json))?;
             if let Some(url) = amqp_url {
-                let mut amqp = sagabox::amqp::AmqpConfig::new(url).with_queue_prefix(queue_prefix);
+                let mut amqp =
+                    sagabox::amqp::AmqpConfig::new(url).with_queue_prefix(queue_prefix.clone());
                 amqp.management_url = amqp_management_url;
                 if let Err(error) = amqp.validate() {
                     usage_error("inspect", format_args!("--amqp-url: {error}"));
                 }
                 inspected = inspected
                     .with_broker(&amqp, &config)
+                    .await
+                    .map_err(|error| failed("inspect", error, json))?;
+            }
+            if let Some(url) = nats_url {
+                let nats = sagabox::nats::NatsConfig::new(url).with_prefix(queue_prefix);
+                if let Err(error) = nats.validate() {
+                    usage_error("inspect", format_args!("--nats-url: {error}"));
+                }
+                inspected = inspected
+                    .with_streams(&nats, &config)
                     .await
                     .map_err(|error| failed("inspect", error, json))?;
             }

@@ -101,6 +101,27 @@ async fn the_demo_over_jetstream_keeps_every_invariant() {
     let broken = common::invariants::violations(&fx.pool).await;
     assert!(broken.is_empty(), "invariants broken: {broken:?}");
     assert_drained(&js).await;
+    // `inspect` reads each work stream's max_age from the server, beside the TTL.
+    let inspected = common::sagabox_command(&[
+        "inspect",
+        "--database-url",
+        &fx.url,
+        "--nats-url",
+        &js.config.url,
+        "--queue-prefix",
+        &js.config.prefix,
+        "--json",
+    ])
+    .output()
+    .unwrap();
+    assert!(inspected.status.success(), "{inspected:?}");
+    let report: serde_json::Value = serde_json::from_slice(&inspected.stdout).unwrap();
+    let streams = report["broker_queues"].as_array().unwrap();
+    assert_eq!(streams.len(), 3, "{report}");
+    for stream in streams {
+        assert_eq!(stream["retention_days"], 14.0, "{stream}");
+        assert_eq!(stream["covered"], true, "{stream}");
+    }
 }
 
 /// Participants as separate processes, the server restarted part-way while commands

@@ -149,3 +149,33 @@ pub async fn publish(
 pub(crate) fn context(client: &Client) -> Context {
     js::new(client.clone())
 }
+
+/// The work streams of `config`'s prefix (`<prefix>_…`, dead-letter streams left out),
+/// each with its measured retention, by name.
+pub async fn prefixed_streams(config: &NatsConfig) -> Result<Vec<(String, Retention)>, NatsError> {
+    use futures_util::StreamExt;
+    config.validate()?;
+    let client = connect(config, "inspect").await?;
+    let jetstream = context(&client);
+    let start = format!("{}_", config.prefix);
+    let mut names = Vec::new();
+    let mut listed = jetstream.stream_names();
+    while let Some(name) = listed.next().await {
+        let name = name.map_err(NatsError::broker("list the streams"))?;
+        if name.starts_with(&start) && !name.ends_with("_dead") {
+            names.push(name);
+        }
+    }
+    names.sort();
+    let mut streams = Vec::with_capacity(names.len());
+    for name in names {
+        let mut stream = jetstream
+            .get_stream(&name)
+            .await
+            .map_err(NatsError::broker("read a stream"))?;
+        let retention = measured_retention(&mut stream).await?;
+        streams.push((name, retention));
+    }
+    let _ = client.drain().await;
+    Ok(streams)
+}
