@@ -113,6 +113,10 @@ pub struct PartitionReport {
     pub rows: i64,
     /// Bytes on disk, indexes included; `None` where the database cannot say.
     pub bytes: Option<i64>,
+    /// When its oldest row was processed; `None` when it is empty.
+    pub oldest_at: Option<DateTime<Utc>>,
+    /// When its newest row was processed; `None` when it is empty.
+    pub newest_at: Option<DateTime<Utc>>,
 }
 
 /// Duplicate deliveries the inbox absorbed for one consumer type, from its rows: every
@@ -310,6 +314,8 @@ impl InspectReport {
 #[derive(Debug, Clone, Default)]
 struct Facts {
     partitions: Vec<(Month, i64, Option<i64>)>,
+    /// The first and last processing time of each month's rows (months with rows).
+    spans: Vec<(Month, DateTime<Utc>, DateTime<Utc>)>,
     pruned_through: Option<Month>,
     duplicates: Vec<DuplicateReport>,
     sagas_by_status: BTreeMap<String, i64>,
@@ -473,10 +479,15 @@ fn assess(
         partitions: facts
             .partitions
             .iter()
-            .map(|(month, rows, bytes)| PartitionReport {
-                month: month.to_string(),
-                rows: *rows,
-                bytes: *bytes,
+            .map(|(month, rows, bytes)| {
+                let span = facts.spans.iter().find(|(m, ..)| m == month);
+                PartitionReport {
+                    month: month.to_string(),
+                    rows: *rows,
+                    bytes: *bytes,
+                    oldest_at: span.map(|(_, oldest, _)| *oldest),
+                    newest_at: span.map(|(.., newest)| *newest),
+                }
             })
             .collect(),
         missing_ahead: missing_ahead.iter().map(ToString::to_string).collect(),

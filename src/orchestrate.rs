@@ -158,8 +158,7 @@ where
             tracing::info!(
                 target: "sagabox::serve",
                 sagas = %crate::logging::json_list(config.definitions.iter().map(SagaDefinition::name)),
-                broker = config.transport.broker(),
-                prefix = config.transport.prefix(),
+                broker = %crate::database::redact(config.transport.url()),
                 "orchestrating"
             );
             let resume = resume_forever(&running.actors, config.resume_interval);

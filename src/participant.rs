@@ -5,7 +5,7 @@
 //! For each hosted step, under its consumer type:
 //!
 //! - its queue or stream `<prefix>.<consumer_type>` is consumed
-//!   ([`transport::serve_step`](crate::transport::serve_step): acks after commit, bad
+//!   ([`transport::serve_step`]: acks after commit, bad
 //!   input dead-lettered, retryable failures redelivered; a JetStream stream's retention
 //!   checked against the inbox TTL first);
 //! - every delivery is handed to the step's [`StepPool`] — a ractor factory of competing
@@ -108,7 +108,7 @@ pub struct StepOptions {
     pub timeout: Option<Duration>,
     /// Claims the deliveries the consumer holds at once in batches of up to this many,
     /// one transaction and one commit per batch
-    /// ([`serve_step_batched`], a batch closed after
+    /// ([`transport::serve_step`] with a batch, closed after
     /// [`BATCH_LINGER`]); each command still gets its own reply and ack. At most the
     /// prefetch. Defaults to `None`: one at a time.
     pub batch: Option<usize>,

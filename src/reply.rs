@@ -1,5 +1,5 @@
 //! A step's reply, on any transport: [`reply_envelope`] builds it with a stable id
-//! derived from the command's, and [`Waiters`] hands each reply that passed the
+//! derived from the command's, and the dispatch's waiters get each reply that passed the
 //! orchestrator's inbox to whoever waits for its command.
 //!
 //! The reply's id is derived from the command's ([`MessageId::derived`]), so a command

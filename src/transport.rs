@@ -113,6 +113,17 @@ impl Transport {
         }
     }
 
+    /// The broker's URL (with its password: redact it before showing it,
+    /// [`database::redact`](crate::database::redact)).
+    pub fn url(&self) -> &str {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            Transport::Amqp(config) => &config.url,
+            #[cfg(feature = "nats")]
+            Transport::Nats(config) => &config.url,
+        }
+    }
+
     /// The prefix of its queues or subjects.
     pub fn prefix(&self) -> &str {
         match self {

@@ -475,7 +475,7 @@ fn usage_errors_exit_with_status_2() {
         ),
         (
             &["demo", "--transport", "rabbit://x"],
-            "is not amqp://user:password@host:port/vhost",
+            "is not a broker URL this build speaks",
         ),
         (
             &["demo", "--duplicate-rate", "1.5"],

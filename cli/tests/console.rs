@@ -367,6 +367,29 @@ async fn every_page_shows_what_sql_counts() {
         })
         .sum();
     assert_eq!(rows, count(&fx, "SELECT count(*) FROM sagabox_inbox").await);
+    // The oldest and newest row of the whole inbox are the first oldest and last newest
+    // shown (the demo's rows all fall in this month's partition).
+    let shown = |class: &str| -> Vec<String> {
+        let cell = format!(r#"<td class="{class}">"#);
+        inbox
+            .match_indices(&cell)
+            .map(|(at, m)| {
+                let rest = &inbox[at + m.len()..];
+                rest[..rest.find('<').unwrap()].to_owned()
+            })
+            .filter(|text| text != "–")
+            .collect()
+    };
+    let (oldest, newest): (String, String) = sqlx::query_as(
+        "SELECT to_char(MIN(processed_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS'), \
+                to_char(MAX(processed_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS') \
+         FROM sagabox_inbox",
+    )
+    .fetch_one(&fx.pool)
+    .await
+    .unwrap();
+    assert_eq!(shown("oldest").first(), Some(&oldest));
+    assert_eq!(shown("newest").last(), Some(&newest));
     assert!(
         inbox.contains("30 d") && inbox.contains("14 d"),
         "TTL and broker retention"

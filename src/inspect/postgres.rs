@@ -37,15 +37,23 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
     .fetch_all(&mut *tx)
     .await
     .map_err(&failed)?;
-    let rows = sqlx::query("SELECT bucket, COUNT(*) AS n FROM sagabox_inbox GROUP BY bucket")
-        .fetch_all(&mut *tx)
-        .await
-        .map_err(&failed)?;
+    let rows = sqlx::query(
+        "SELECT bucket, COUNT(*) AS n, MIN(processed_at) AS oldest, MAX(processed_at) AS newest \
+         FROM sagabox_inbox GROUP BY bucket",
+    )
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(&failed)?;
     let mut rows_by_month = Vec::new();
     for row in rows {
         let bucket: NaiveDate = row.try_get("bucket").map_err(&failed)?;
         if let Ok(month) = Month::new(bucket.year(), bucket.month()) {
             rows_by_month.push((month, row.try_get::<i64, _>("n").map_err(&failed)?));
+            facts.spans.push((
+                month,
+                row.try_get("oldest").map_err(&failed)?,
+                row.try_get("newest").map_err(&failed)?,
+            ));
         }
     }
     for row in sizes {

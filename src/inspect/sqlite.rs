@@ -47,10 +47,16 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
             continue;
         };
         let table = format!("{PARTITION_PREFIX}{}", month.suffix());
-        let rows: i64 = sqlx::query_scalar(AssertSqlSafe(format!("SELECT COUNT(*) FROM {table}")))
+        let (rows, oldest, newest): (i64, Option<DateTime<Utc>>, Option<DateTime<Utc>>) =
+            sqlx::query_as(AssertSqlSafe(format!(
+                "SELECT COUNT(*), MIN(processed_at), MAX(processed_at) FROM {table}"
+            )))
             .fetch_one(&mut *tx)
             .await
             .map_err(&failed)?;
+        if let (Some(oldest), Some(newest)) = (oldest, newest) {
+            facts.spans.push((month, oldest, newest));
+        }
         // dbstat is compiled into the bundled SQLite; a system library may lack it, and
         // then the size is unknown rather than guessed.
         let bytes: Option<i64> =

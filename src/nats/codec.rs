@@ -1,6 +1,6 @@
 //! An [`Envelope`] on JetStream: the `Nats-Msg-Id` header is the message id (so the
 //! server's duplicate window drops a re-publish), the body is the JSON envelope body
-//! ([`wire`](crate::wire)), the publish time travels in `x-sagabox-published-at` (RFC
+//! ([`wire`](mod@crate::wire)), the publish time travels in `x-sagabox-published-at` (RFC
 //! 3339) and the W3C trace headers are copied to NATS headers too, where `nats` tools
 //! show them.
 //!

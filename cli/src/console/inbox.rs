@@ -1,6 +1,7 @@
-//! `GET /inbox`: the inbox's monthly partitions (rows, size), the TTL and the broker's
-//! retention side by side, how far back the inbox still deduplicates (the pruned
-//! watermark), and when the oldest partition is dropped — the `sagabox inspect` report.
+//! `GET /inbox`: the inbox's monthly partitions (rows, size, oldest and newest row), the
+//! TTL and the broker's retention side by side, how far back the inbox still deduplicates
+//! (the pruned watermark), and when the oldest partition is dropped — the `sagabox
+//! inspect` report.
 
 use axum::extract::State;
 use chrono::{TimeDelta, Utc};
@@ -53,13 +54,15 @@ pub(crate) async fn page(State(console): State<Shared>) -> Result<Markup, PageEr
             section {
                 h2 { "Monthly partitions" }
                 table #partitions {
-                    thead { tr { th { "month" } th.num { "rows" } th.num { "size" } } }
+                    thead { tr { th { "month" } th.num { "rows" } th.num { "size" } th { "oldest" } th { "newest" } } }
                     tbody {
                         @for partition in &report.partitions {
                             tr data-month=(partition.month) {
                                 td { (partition.month) }
                                 td.num.rows { (partition.rows) }
                                 td.num { @if let Some(bytes) = partition.bytes { (pages::bytes(bytes)) } @else { "–" } }
+                                td.oldest { @if let Some(at) = partition.oldest_at { (pages::time(at)) } @else { "–" } }
+                                td.newest { @if let Some(at) = partition.newest_at { (pages::time(at)) } @else { "–" } }
                             }
                         }
                     }

@@ -399,7 +399,7 @@ where
         target: SERVE_TARGET,
         version = env!("CARGO_PKG_VERSION"),
         database,
-        broker = config.transport.broker(),
+        broker = %sagabox::database::redact(config.transport.url()),
         queues = %sagabox::logging::json_list(&queues),
         orchestrator = config.orchestrator,
         workers = config.workers,
