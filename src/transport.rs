@@ -155,6 +155,23 @@ impl Transport {
         self
     }
 
+    /// Delivers one message at most `deliveries` times before it is dead-lettered
+    /// (`retries_exhausted`): RabbitMQ's [`AmqpConfig::max_redeliveries`] (a quorum
+    /// queue's `x-delivery-limit` is one less), JetStream's
+    /// [`NatsConfig::max_deliver`]. On RabbitMQ quorum queues the limit is a queue
+    /// argument: every process that declares a queue must use the same number, and
+    /// changing it for an existing queue means deleting the queue (or setting a
+    /// `delivery-limit` policy instead).
+    pub fn with_max_deliveries(mut self, deliveries: u32) -> Self {
+        match &mut self {
+            #[cfg(feature = "rabbitmq")]
+            Transport::Amqp(config) => config.max_redeliveries = deliveries,
+            #[cfg(feature = "nats")]
+            Transport::Nats(config) => config.max_deliver = deliveries,
+        }
+        self
+    }
+
     /// Sets the retention of what the transport declares (a RabbitMQ queue's
     /// `x-message-ttl`, a JetStream stream's `max_age`) from the inbox's
     /// [`broker_retention`](InboxConfig::broker_retention); on RabbitMQ, also the inbox

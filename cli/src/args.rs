@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use sagabox::database::{Backend, redact};
 use sagabox::inbox::{ConfigError, InboxConfig};
+use sagabox::transport::Transport;
 
 /// The longest URL accepted, in bytes: far beyond any real one, and it keeps a pasted
 /// file or a runaway variable out of logs.
@@ -447,16 +448,23 @@ mod tests {
     }
 }
 
-/// How RabbitMQ queues are declared and their retention read: `serve` and `orchestrate`.
+/// How the broker's queues or streams are declared and their retention read: `serve`
+/// and `orchestrate`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BrokerArgs {
-    /// How sagabox declares the queues it creates: quorum (replicated; the broker
-    /// counts redeliveries and dead-letters at the limit) or classic (for queues that
-    /// already exist as classic ones).
+    /// Deliveries of one message before it is dead-lettered as retries_exhausted (a
+    /// RabbitMQ quorum queue's x-delivery-limit is one less; JetStream's max_deliver).
+    /// Every process declaring a queue must give the same number: RabbitMQ refuses a
+    /// declare with another limit.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub max_deliveries: u32,
+    /// How sagabox declares the RabbitMQ queues it creates: quorum (replicated; the
+    /// broker counts redeliveries and dead-letters at the limit) or classic (for queues
+    /// that already exist as classic ones).
     #[arg(long, default_value = "quorum", value_parser = queue_type)]
     pub queue_type: sagabox::amqp::QueueType,
-    /// Declare queues without x-message-ttl: for queues declared without one before,
-    /// whose retention a policy sets (message-ttl).
+    /// Declare RabbitMQ queues without x-message-ttl: for queues declared without one
+    /// before, whose retention a policy sets (message-ttl).
     #[arg(long)]
     pub no_queue_ttl: bool,
     /// The RabbitMQ management API, where the queues' real retention is read
@@ -470,15 +478,20 @@ pub struct BrokerArgs {
 }
 
 impl BrokerArgs {
-    /// `config` with these settings.
-    pub fn apply(&self, mut config: sagabox::amqp::AmqpConfig) -> sagabox::amqp::AmqpConfig {
-        config.queue_type = self.queue_type;
-        if self.no_queue_ttl {
-            config.message_ttl = None;
+    /// `transport` with these settings (the RabbitMQ ones apply to RabbitMQ only).
+    pub fn apply(&self, transport: Transport) -> Transport {
+        match transport.with_max_deliveries(self.max_deliveries) {
+            Transport::Amqp(mut config) => {
+                config.queue_type = self.queue_type;
+                if self.no_queue_ttl {
+                    config.message_ttl = None;
+                }
+                config.management_url = self.amqp_management_url.clone();
+                config.trust_declared_retention = self.trust_declared_retention;
+                Transport::Amqp(config)
+            }
+            other => other,
         }
-        config.management_url = self.amqp_management_url.clone();
-        config.trust_declared_retention = self.trust_declared_retention;
-        config
     }
 }
 

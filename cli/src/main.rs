@@ -131,6 +131,11 @@ enum Command {
         /// orders and orchestrates (with --transport).
         #[arg(long, requires = "transport", conflicts_with = "clock_speed")]
         external_participants: bool,
+        /// Deliveries of one message before it is dead-lettered (with --transport; the
+        /// same number as the participants' `serve --max-deliveries`).
+        #[arg(long, default_value_t = 5, requires = "transport",
+              value_parser = clap::value_parser!(u32).range(1..=1000))]
+        max_deliveries: u32,
         /// Serve Prometheus metrics at HOST:PORT while the demo runs (e.g. 127.0.0.1:9464).
         #[arg(long, value_name = "HOST:PORT")]
         metrics_addr: Option<String>,
@@ -549,6 +554,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             transport,
             queue_prefix,
             external_participants,
+            max_deliveries,
             metrics_addr,
             clock_speed,
         } => {
@@ -567,6 +573,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                     url,
                     queue_prefix,
                     external_participants,
+                    max_deliveries,
                 }),
                 clock_speed,
                 clock_start: None,
@@ -611,13 +618,10 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                 );
             }
             let (roles, orchestrator) = split_roles(&role);
-            let mut transport = sagabox::transport::Transport::from_url(&transport, &queue_prefix)
+            let transport = sagabox::transport::Transport::from_url(&transport, &queue_prefix)
                 .unwrap_or_else(|error| usage_error("serve", format_args!("--transport: {error}")))
                 .with_prefetch(prefetch);
-            if let sagabox::transport::Transport::Amqp(amqp) = &mut transport {
-                *amqp = broker.apply(amqp.clone());
-            }
-            let transport = transport.with_retention_of(&inbox);
+            let transport = broker.apply(transport).with_retention_of(&inbox);
             if let Err(error) = transport.validate() {
                 usage_error("serve", format_args!("--transport: {error}"));
             }
@@ -663,12 +667,12 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                     });
                 definitions.push(definition);
             }
-            let mut transport = sagabox::transport::Transport::from_url(&transport, &queue_prefix)
+            let transport = sagabox::transport::Transport::from_url(&transport, &queue_prefix)
                 .unwrap_or_else(|error| {
                     usage_error("orchestrate", format_args!("--transport: {error}"))
                 });
+            let mut transport = broker.apply(transport);
             if let sagabox::transport::Transport::Amqp(amqp) = &mut transport {
-                *amqp = broker.apply(amqp.clone());
                 amqp.retention_check =
                     Some(InboxConfig::default().with_ttl_below_retention_allowed(force_short_ttl));
             }

@@ -46,6 +46,8 @@ fn orchestrator(fx: &common::Pg, rabbit: &Rabbit, extra: &[&str]) -> Command {
         // The participants inject the handler failures (their --fail-rate); the
         // demo's own --fail-rate has no handler to act on here.
         "--external-participants",
+        "--max-deliveries",
+        &common::rabbit::MAX_DELIVERIES.to_string(),
     ]);
     command.env_remove("AMQP_URL");
     command

@@ -517,6 +517,18 @@ fn usage_errors_exit_with_status_2() {
                 "payment",
                 "--transport",
                 amqp,
+                "--max-deliveries",
+                "0",
+            ],
+            "0 is not in 1..=1000",
+        ),
+        (
+            &[
+                "serve",
+                "--role",
+                "payment",
+                "--transport",
+                amqp,
                 "--workers",
                 "0",
             ],

@@ -178,6 +178,12 @@ impl AmqpConfig {
                 "prefetch is 0, which lets the broker send without limit; use 1 or more".into(),
             ));
         }
+        if self.max_redeliveries == 0 {
+            return Err(AmqpError::Config(
+                "max_redeliveries is 0: a message must be delivered at least once; use 1 or more"
+                    .into(),
+            ));
+        }
         if self.reconnect_backoff.is_zero() || self.max_reconnect_backoff < self.reconnect_backoff {
             return Err(AmqpError::Config(
                 "the reconnect backoff must be above zero and at most its maximum".into(),
@@ -330,6 +336,15 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("prefetch")
+        );
+        let mut config = AmqpConfig::new("amqp://x");
+        config.max_redeliveries = 0;
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("max_redeliveries is 0")
         );
         let config = AmqpConfig::new("amqp://x").with_queue_prefix("");
         assert!(config.validate().is_err());

@@ -15,6 +15,15 @@ use sagabox::amqp::AmqpConfig;
 /// The default broker for tests.
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
+/// Deliveries of one message before it is dead-lettered, in the tests that run
+/// `sagabox serve` with injected handler failures (`--fail-rate 0.1`). With the default
+/// 5, a message fails all its deliveries with a chance of 0.1^5 = 1e-5 — over the few
+/// thousand commands of a run, about one run in thirty would dead-letter one (its saga
+/// still completes: the orchestrator sends the command again), and a participant killed
+/// with deliveries in flight adds one to each on a quorum queue. 20 makes it 1e-20.
+/// Every process that declares the queues (participants and orchestrator) must use it.
+pub const MAX_DELIVERIES: u32 = 20;
+
 /// The broker URL tests use.
 pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned())
@@ -211,6 +220,8 @@ impl Rabbit {
                 "0.1",
                 "--seed",
                 &seed.to_string(),
+                "--max-deliveries",
+                &MAX_DELIVERIES.to_string(),
             ])
             .env_remove("DATABASE_URL")
             .env_remove("SAGABOX_DATABASE_URL")

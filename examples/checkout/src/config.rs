@@ -48,7 +48,7 @@ pub struct DemoConfig {
     pub clock_start: Option<DateTime<Utc>>,
 }
 
-/// The demo over RabbitMQ.
+/// The demo over a broker: RabbitMQ or NATS JetStream.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DemoTransport {
     /// `amqp://user:password@host:port/vhost` (RabbitMQ) or `nats://host:port` (NATS
@@ -59,6 +59,10 @@ pub struct DemoTransport {
     /// The participants run in other processes (`sagabox serve`); this one only places
     /// orders and orchestrates.
     pub external_participants: bool,
+    /// Deliveries of one message before it is dead-lettered
+    /// ([`Transport::with_max_deliveries`](sagabox::transport::Transport::with_max_deliveries)).
+    /// Defaults to 5; separate participants must be started with the same number.
+    pub max_deliveries: u32,
 }
 
 impl DemoTransport {
@@ -68,15 +72,16 @@ impl DemoTransport {
             url: url.into(),
             queue_prefix: "sagabox".to_owned(),
             external_participants: false,
+            max_deliveries: 5,
         }
     }
 
     /// The broker the URL names (RabbitMQ or NATS JetStream) under the queue prefix.
     pub(crate) fn transport(&self) -> Result<sagabox::transport::Transport, DemoError> {
-        Ok(sagabox::transport::Transport::from_url(
-            &self.url,
-            &self.queue_prefix,
-        )?)
+        Ok(
+            sagabox::transport::Transport::from_url(&self.url, &self.queue_prefix)?
+                .with_max_deliveries(self.max_deliveries),
+        )
     }
 }
 
