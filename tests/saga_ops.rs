@@ -606,6 +606,29 @@ macro_rules! saga_ops_suite {
                 };
                 let ids: Vec<String> = setup.store.list(&recent).await.unwrap().into_iter().map(|s| s.id).collect();
                 assert_eq!(ids, ["s-2"]);
+
+                // Sagas created at the same instant are paged by id: pages of two list
+                // every saga once, in the order of one long page.
+                let mut conn = setup.store.pool().acquire().await.unwrap();
+                for n in 0..5 {
+                    let at = minute + TimeDelta::minutes(10);
+                    let saga = SagaInstance::under(&order, format!("t-{n}"), json!({}), at);
+                    <$store as SagaStore>::insert(&mut conn, &saga).await.unwrap();
+                }
+                drop(conn);
+                let everything: Vec<String> = setup.store
+                    .list(&SagaFilter { limit: 100, ..SagaFilter::default() }).await.unwrap()
+                    .into_iter().map(|s| s.id).collect();
+                assert_eq!(&everything[..5], ["t-4", "t-3", "t-2", "t-1", "t-0"]);
+                let mut paged = Vec::new();
+                let mut filter = SagaFilter { limit: 2, ..SagaFilter::default() };
+                loop {
+                    let page = setup.store.list(&filter).await.unwrap();
+                    let Some(last) = page.last() else { break };
+                    filter.after = Some(sagabox::saga::SagaCursor::of(last));
+                    paged.extend(page.into_iter().map(|s| s.id));
+                }
+                assert_eq!(paged, everything);
             }
         }
     };

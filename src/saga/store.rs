@@ -304,19 +304,10 @@ const SELECT: &str = concat!(
 );
 const UNFINISHED: &str = "SELECT id FROM saga_instances WHERE saga_name = $1 \
     AND status IN ('running', 'compensating') AND parked_reason IS NULL ORDER BY created_at, id";
-/// Sagas by state and definition, newest first. The casts give PostgreSQL the types of
-/// parameters that may be NULL, and read the same in SQLite.
-const LIST: &str = concat!(
-    "SELECT ",
-    saga_columns!(),
-    ", version FROM saga_instances \
-     WHERE (CAST($1 AS TEXT) IS NULL OR status = $1) \
-       AND (CAST($2 AS BOOLEAN) IS NULL OR (parked_reason IS NOT NULL) = CAST($2 AS BOOLEAN)) \
-       AND (CAST($3 AS TEXT) IS NULL OR saga_name = $3) \
-       AND ($5 IS NULL OR created_at >= $5) \
-       AND ($6 IS NULL OR created_at < $6 OR (created_at = $6 AND id < $7)) \
-     ORDER BY created_at DESC, id DESC LIMIT $4"
-);
+/// The start of [`SagaStore::list`]'s query, to which it adds only the filters given,
+/// so each filter is an index condition and the page cursor a range on
+/// `(created_at, id)`, however deep the page.
+const LIST_SELECT: &str = concat!("SELECT ", saga_columns!(), ", version FROM saga_instances");
 /// Sagas per definition and state.
 const COUNTS: &str = "SELECT saga_name, status, parked_reason IS NOT NULL AS parked, \
     COUNT(*) AS sagas FROM saga_instances GROUP BY saga_name, status, parked_reason IS NOT NULL";
@@ -546,17 +537,45 @@ macro_rules! common_methods {
         }
 
         async fn list(&self, filter: &SagaFilter) -> Result<Vec<SagaInstance>, sqlx::Error> {
+            let mut query = sqlx::QueryBuilder::<$db>::new(LIST_SELECT);
+            let mut clause = " WHERE ";
             let (status, parked) = state_params(filter);
-            let rows = sqlx::query(LIST)
-                .bind(status)
-                .bind(parked)
-                .bind(filter.saga_name.as_deref())
-                .bind(i64::from(filter.limit))
-                .bind(filter.created_since)
-                .bind(filter.after.as_ref().map(|cursor| cursor.created_at))
-                .bind(filter.after.as_ref().map(|cursor| cursor.id.as_str()))
-                .fetch_all(self.pool())
-                .await?;
+            if let Some(status) = status {
+                query.push(clause).push("status = ").push_bind(status);
+                clause = " AND ";
+            }
+            if let Some(parked) = parked {
+                query.push(clause).push(if parked {
+                    "parked_reason IS NOT NULL"
+                } else {
+                    "parked_reason IS NULL"
+                });
+                clause = " AND ";
+            }
+            if let Some(name) = &filter.saga_name {
+                query
+                    .push(clause)
+                    .push("saga_name = ")
+                    .push_bind(name.as_str());
+                clause = " AND ";
+            }
+            if let Some(since) = filter.created_since {
+                query.push(clause).push("created_at >= ").push_bind(since);
+                clause = " AND ";
+            }
+            if let Some(cursor) = &filter.after {
+                query
+                    .push(clause)
+                    .push("(created_at, id) < (")
+                    .push_bind(cursor.created_at)
+                    .push(", ")
+                    .push_bind(cursor.id.as_str())
+                    .push(")");
+            }
+            query
+                .push(" ORDER BY created_at DESC, id DESC LIMIT ")
+                .push_bind(i64::from(filter.limit));
+            let rows = query.build().fetch_all(self.pool()).await?;
             rows.iter().map(from_row).collect()
         }
 
