@@ -168,6 +168,22 @@ fn claim_insert_sql(key: &ClaimKey<'_>) -> String {
     )
 }
 
+/// The claim of a key filed in its own month, first try: insert its row (`$1` consumer
+/// type, `$2` message id, `$3` bucket, `$4` processed at) with a null result if the key's
+/// advisory lock (`$5`, `$6`) is free, `ON CONFLICT DO NOTHING` — the hand-written
+/// inbox's statement with the lock as its condition. One row inserted: the claim is
+/// fresh, with the lock held. None: the lock was taken or the row exists, which
+/// [`claim_insert_sql`] then tells apart; that costs a statement more, for duplicates
+/// only.
+fn claim_fast_sql(key: &ClaimKey<'_>) -> String {
+    format!(
+        "INSERT INTO {} (consumer_type, message_id, bucket, processed_at, result) \
+         SELECT $1, $2, $3, $4, 'null'::jsonb WHERE pg_try_advisory_xact_lock($5, $6) \
+         ON CONFLICT DO NOTHING",
+        partition_name(key.bucket)
+    )
+}
+
 /// The first delivery's columns of a claim's row, if it found one.
 fn first_delivery(row: &PgRow) -> Result<Option<FirstDelivery>, sqlx::Error> {
     Ok(
@@ -270,6 +286,20 @@ impl InboxStore for PostgresStore {
             return Ok((tx, claimed));
         };
 
+        let inserted = sqlx::query(AssertSqlSafe(claim_fast_sql(key)))
+            .bind(key.consumer_type.as_str())
+            .bind(key.message_id.as_str())
+            .bind(key.bucket.first_day())
+            .bind(processed_at)
+            .bind(LOCK_CLASS)
+            .bind(lock)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+            == 1;
+        if inserted {
+            return Ok((tx, Claimed::Fresh { row_written: true }));
+        }
         let claim = || {
             sqlx::query(AssertSqlSafe(claim_insert_sql(key)))
                 .bind(LOCK_CLASS)
