@@ -24,6 +24,7 @@
 //! of 10 % is excluded. `--prefill` and `--prune-rows` (PostgreSQL) add the table-scale
 //! and pruning measurements of [`scale`].
 
+pub(crate) mod broker;
 mod scale;
 
 use std::str::FromStr;
@@ -150,7 +151,7 @@ fn rss_mb() -> f64 {
         .map_or(0.0, |kib| kib / 1024.0)
 }
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// One mode set up and warmed up, with its figures so far.
 struct Prepared<P, O> {

@@ -335,6 +335,56 @@ async fn prune_dry_run_changes_nothing_and_a_pass_creates_ahead() {
     assert!(String::from_utf8_lossy(&refused.stderr).contains("shorter than the broker retention"));
 }
 
+/// `bench-broker` on a small scale, against the real broker and database: both consumers
+/// drain their queue, each message id is applied exactly once by each, the ratio is to
+/// the hand-written consumer, and the scratch queues and schema are gone afterwards.
+#[tokio::test]
+async fn bench_broker_measures_both_consumers_and_each_applies_every_message_once() {
+    let db = common::Pg::new().await;
+    let out = stdout(&sagabox(&[
+        "bench-broker",
+        "--database-url",
+        &db.url,
+        "--transport",
+        &common::rabbit::amqp_url(),
+        "--messages",
+        "300",
+        "--paced",
+        "60",
+        "--rate",
+        "300",
+        "--duplicate-rate",
+        "0.3",
+        "--json",
+    ]));
+    let report: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    let modes = report["modes"].as_array().expect("modes");
+    let names: Vec<&str> = modes.iter().map(|m| m["mode"].as_str().unwrap()).collect();
+    assert_eq!(names, ["handwritten", "sagabox"], "{report}");
+    let applied = modes[0]["applied"].as_i64().unwrap();
+    assert!(
+        applied > 0 && applied < 360,
+        "duplicates were skipped: {report}"
+    );
+    for mode in modes {
+        assert_eq!(mode["exactly_once"], true, "{report}");
+        assert_eq!(mode["applied"].as_i64(), Some(applied), "{report}");
+        assert_eq!(mode["backlog"], 300, "{report}");
+        assert!(mode["msgs_per_sec"].as_f64().unwrap() > 0.0, "{report}");
+        assert!(
+            mode["p99_us"].as_u64().unwrap() >= mode["p50_us"].as_u64().unwrap(),
+            "{report}"
+        );
+    }
+    assert_eq!(modes[0]["vs_handwritten"], 1.0, "{report}");
+    assert_eq!(
+        db.scalar("SELECT COUNT(*) FROM pg_namespace WHERE nspname LIKE 'sagabox_bench_broker_%'")
+            .await,
+        0,
+        "the scratch schema is dropped"
+    );
+}
+
 /// `--prefill` and `--prune-rows` on a small scale: the figures are there and say what
 /// they measured (the row counts it was asked for; a drop that moved the rows out).
 #[tokio::test]
@@ -453,6 +503,10 @@ fn usage_errors_exit_with_status_2() {
         (
             &["demo", "--orders", "-5"],
             "\"-5\" is not a whole number of 0 or more",
+        ),
+        (
+            &["bench-broker", "--transport", amqp],
+            "the broker bench runs on PostgreSQL",
         ),
         (
             &["demo", "--concurrency", "0"],
