@@ -25,17 +25,18 @@ CONCURRENCY=${CONCURRENCY:-64}
 SERVE_ARGS=${SERVE_ARGS:-}
 ROLES="payment inventory email"
 
-# CPU seconds (user + system) of the processes whose command name is $1.
+# CPU ticks (user + system) of the processes whose command name is $1, with those of
+# their exited children (PostgreSQL's postmaster collects its closed backends').
 cpu_of() {
   local ticks=0
   for pid in $(pgrep -x "$1" || true); do
     if [ -r "/proc/$pid/stat" ]; then
-      ticks=$((ticks + $(awk '{print $14 + $15}' "/proc/$pid/stat" 2>/dev/null || echo 0)))
+      ticks=$((ticks + $(awk '{print $14 + $15 + $16 + $17}' "/proc/$pid/stat" 2>/dev/null || echo 0)))
     fi
   done
   echo "$ticks"
 }
-# CPU seconds of the given pids (children included once they exited: cutime + cstime).
+# CPU ticks of the given pids.
 cpu_of_pids() {
   local ticks=0
   for pid in "$@"; do
@@ -71,14 +72,11 @@ for count in $COUNTS; do
     done
   done
   WAITS=$(mktemp)
-  (
-    while true; do
-      psql -Atq "$URL" -c "SELECT coalesce(wait_event_type || ':' || wait_event, 'CPU') \
-        FROM pg_stat_activity WHERE state = 'active' AND pid <> pg_backend_pid() \
-        AND datname = current_database()" >>"$WAITS" 2>/dev/null || true
-      sleep 0.05
-    done
-  ) &
+  # One session sampling (a new connection per sample would cost PostgreSQL more than
+  # the samples are worth).
+  printf '%s\n' "SELECT coalesce(wait_event_type || ':' || wait_event, 'CPU') \
+    FROM pg_stat_activity WHERE state = 'active' AND pid <> pg_backend_pid() \
+    AND datname = current_database()" '\watch 0.05' | psql -Atq "$URL" >>"$WAITS" 2>/dev/null &
   SAMPLER=$!
   pg0=$(cpu_of postgres); mq0=$(cpu_of beam.smp); sv0=$(cpu_of_pids "${SERVES[@]}")
   OUT=$(mktemp)
@@ -105,8 +103,8 @@ PY
   read -r du ds <"$OUT.time"
   echo "  CPU s: postgres $(echo "scale=1; ($pg1 - $pg0) / $HZ" | bc)  rabbitmq $(echo "scale=1; ($mq1 - $mq0) / $HZ" | bc)  serve $(echo "scale=1; ($sv1 - $sv0) / $HZ" | bc)  demo $(echo "${du:-0} + ${ds:-0}" | bc)"
   echo "  PostgreSQL active backends, by wait (share of samples):"
-  sort "$WAITS" | uniq -c | sort -rn | head -6 |
-    awk -v total="$(wc -l <"$WAITS")" '{printf "    %5.1f %%  %s\n", 100 * $1 / total, $2}'
+  grep -v '^$' "$WAITS" | sort | uniq -c | sort -rn | head -6 |
+    awk -v total="$(grep -cv '^$' "$WAITS")" '{printf "    %5.1f %%  %s\n", 100 * $1 / total, $2}'
   rm -f "$OUT" "$OUT.time" "$WAITS"
   for role in $ROLES; do
     for queue in "$PREFIX.$role" "$PREFIX.$role.dead"; do
