@@ -18,6 +18,8 @@
 //!   business statements set-based (one `UPDATE … FROM unnest`, one `INSERT … SELECT
 //!   FROM unnest` per batch on PostgreSQL; per message on SQLite, where a statement is
 //!   an in-process call);
+//! - `set_no_inbox`: the `batched_set` batches' business statements alone, without the
+//!   inbox: that mode's ceiling;
 //! - `no_inbox`: the business statements alone, the ceiling.
 //!
 //! Each mode runs on its own consumer type (or table), with the same messages; a warm-up
@@ -110,6 +112,8 @@ pub(crate) enum Mode {
     Batched,
     /// The same batches with set-based business statements.
     BatchedSet,
+    /// The `batched_set` batches' business statements alone, no inbox: its ceiling.
+    SetNoInbox,
     /// The business statements alone, no inbox: the ceiling.
     NoInbox,
 }
@@ -127,6 +131,7 @@ impl Mode {
             Mode::Actor => "actor",
             Mode::Batched => "batched",
             Mode::BatchedSet => "batched_set",
+            Mode::SetNoInbox => "set_no_inbox",
             Mode::NoInbox => "no_inbox",
         }
     }
@@ -382,11 +387,12 @@ macro_rules! backend_runner {
                 } else {
                     None
                 };
-                let unit_size = if matches!(mode, Mode::Batched | Mode::BatchedSet) {
-                    batch
-                } else {
-                    1
-                };
+                let unit_size =
+                    if matches!(mode, Mode::Batched | Mode::BatchedSet | Mode::SetNoInbox) {
+                        batch
+                    } else {
+                        1
+                    };
                 let op = {
                     let (pool, guard, consumer, steps) =
                         (pool.clone(), guard.clone(), consumer.clone(), steps.clone());
@@ -452,6 +458,19 @@ macro_rules! backend_runner {
                                         .deliver(envelope.clone(), Duration::from_secs(60))
                                         .await?;
                                     usize::from(!reply.duplicate)
+                                }
+                                Mode::SetNoInbox => {
+                                    let mut chunk: Vec<&(Envelope, i64)> =
+                                        messages[start..end].iter().collect();
+                                    chunk.sort_by_key(|(_, account)| *account);
+                                    let envelopes: Vec<&Envelope> =
+                                        chunk.into_iter().map(|(envelope, _)| envelope).collect();
+                                    let mut tx = pool.begin().await?;
+                                    if !claim_only {
+                                        $business_set(&mut tx, &envelopes).await?;
+                                    }
+                                    tx.commit().await?;
+                                    envelopes.len()
                                 }
                                 Mode::BatchedSet => {
                                     let mut chunk: Vec<&(Envelope, i64)> =
