@@ -46,7 +46,8 @@ fn check_alive(participants: &mut [Child]) {
 /// The checkout demo over RabbitMQ with payment, inventory and email as separate
 /// `sagabox serve` processes (real broker, real PostgreSQL), under the saga issue's
 /// fault rates and with every broker connection closed part-way: every invariant holds,
-/// the participants stop gracefully on SIGTERM, and no command is left in a queue.
+/// the participants stop gracefully on SIGTERM, and no command that still needed applying
+/// is left in a queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn participants_in_separate_processes_keep_every_invariant() {
     // The library's warnings (reconnections, abandoned deliveries) show with a failure.
@@ -202,11 +203,29 @@ async fn participants_in_separate_processes_keep_every_invariant() {
         "{failed_then_applied}"
     );
     for role in ROLES {
-        assert_eq!(
-            rabbit.ready(&rabbit.queue(role)).await,
-            0,
-            "{role} queue drained"
-        );
+        // The run ends when every saga has its answers; a redundant copy of a command (the
+        // demo's duplicate, or a resend after a lost reply) may still be in the queue, or
+        // be requeued by a retry that was backing off when SIGTERM came. None may be a
+        // command that still needed applying: each one left was applied already (its id
+        // is in the role's inbox), so the next consumer answers it from there.
+        for left in rabbit.drain(&rabbit.queue(role)).await {
+            let id = left
+                .delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|id| id.to_string())
+                .expect("a command has its message id");
+            let applied: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM sagabox_inbox WHERE consumer_type = $1 AND message_id = $2",
+            )
+            .bind(role)
+            .bind(&id)
+            .fetch_one(&fx.pool)
+            .await
+            .unwrap();
+            assert_eq!(applied, 1, "{role}: {id} was left in the queue unapplied");
+        }
         // Shown with their headers (the reason, the detail, RabbitMQ's x-death) so a
         // failure says why a message was dead-lettered.
         let dead: Vec<_> = rabbit
