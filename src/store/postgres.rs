@@ -144,10 +144,11 @@ fn claim_sql(key: &ClaimKey<'_>) -> String {
     )
 }
 
-/// The claim of a key filed in its own month (`!probe_all`), in one statement: try the
-/// key's advisory lock (`$1`, `$2`), and if it was taken insert the key's row (`$3`
-/// consumer type, `$4` message id, `$5` bucket, `$6` processed at) with a null result,
-/// `ON CONFLICT DO NOTHING`. One row: `locked`, `inserted`.
+/// The claim of a key filed in its own month (`!probe_all`) once [`claim_fast_sql`]
+/// wrote nothing, in one statement that tells why: try the key's advisory lock (`$1`,
+/// `$2`), and if it was taken insert the key's row (`$3` consumer type, `$4` message id,
+/// `$5` bucket, `$6` processed at) with a null result, `ON CONFLICT DO NOTHING`. One
+/// row: `locked`, `inserted`.
 ///
 /// Writing the row in the claim gives the guard the round trips of a hand-written
 /// `INSERT … ON CONFLICT DO NOTHING` inbox: `BEGIN`, claim, the handler's statements,
