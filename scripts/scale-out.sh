@@ -47,6 +47,9 @@ cpu_of_pids() {
   echo "$ticks"
 }
 HZ=$(getconf CLK_TCK)
+DB=""
+# A run that stops half-way leaves no database behind.
+trap '[ -n "$DB" ] && psql -q "$ADMIN_URL" -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)"' EXIT
 
 for count in $COUNTS; do
   DB="sagabox_scale_$$_$count"
@@ -100,7 +103,8 @@ print(f"  sagas/s {s['sagas_per_sec']:.1f}  commands/s {s['deliveries'] / elapse
       f"verdict {s['verdict']}  elapsed {elapsed:.1f} s  retries {s['retries']}  "
       f"duplicates answered {s['duplicate_replies']}")
 PY
-  read -r du ds <"$OUT.time"
+  # The last line: /usr/bin/time puts "Command exited with non-zero status" before it.
+  read -r du ds < <(tail -n 1 "$OUT.time")
   echo "  CPU s: postgres $(echo "scale=1; ($pg1 - $pg0) / $HZ" | bc)  rabbitmq $(echo "scale=1; ($mq1 - $mq0) / $HZ" | bc)  serve $(echo "scale=1; ($sv1 - $sv0) / $HZ" | bc)  demo $(echo "${du:-0} + ${ds:-0}" | bc)"
   echo "  PostgreSQL active backends, by wait (share of samples):"
   grep -v '^$' "$WAITS" | sort | uniq -c | sort -rn | head -6 |

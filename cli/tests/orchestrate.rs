@@ -119,8 +119,10 @@ async fn orchestrate_drives_trips_whose_participants_run_elsewhere_and_a_repeate
         .channel
         .queue_declare(
             answers.as_str().into(),
+            // Exclusive: gone with the fixture's connection (an auto-delete queue that
+            // nobody ever consumed from would stay).
             QueueDeclareOptions {
-                auto_delete: true,
+                exclusive: true,
                 ..QueueDeclareOptions::default()
             },
             FieldTable::default(),
