@@ -591,6 +591,54 @@ macro_rules! inbox_suite {
                 }
             }
 
+            /// A duplicate that waited for a first delivery which then rolled back applies
+            /// in its place, once: with handlers that record nothing (the claim inserts
+            /// the row up front), the waiting claim finds no row after the lock and runs.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_duplicate_waiting_on_a_first_that_rolls_back_applies_instead() {
+                for timing in [Timing::UuidV7(at(2026, 12, 2, 9, 0, 0)), Timing::Trusted(at(2026, 12, 2, 9, 0, 0))] {
+                    let fx = fixture().await;
+                    let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
+                    let first_guard = guard_for(&fx, &clock, 1, timing).await;
+                    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+                    let second_guard = InboxGuard::new(fx.store(1).await, config_for(timing))
+                        .unwrap()
+                        .with_clock(SignalClock::new(clock.clone(), started_tx));
+                    let payment = consumer("payment");
+                    let message = envelope("order-undone/charge", timing);
+                    let (inside_tx, inside_rx) = tokio::sync::oneshot::channel::<()>();
+                    let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
+                    let first = {
+                        let (payment, message) = (payment.clone(), message.clone());
+                        tokio::spawn(async move {
+                            first_guard
+                                .process(&payment, &message, async |conn, env| {
+                                    apply(conn, &payment, env, "first").await?;
+                                    inside_tx.send(()).expect("signal");
+                                    release_rx.await.expect("release");
+                                    Err::<serde_json::Value, _>(sqlx::Error::Protocol("the first fails".into()))
+                                })
+                                .await
+                        })
+                    };
+                    inside_rx.await.expect("first is inside its handler");
+                    let second = {
+                        let (payment, message) = (payment.clone(), message.clone());
+                        tokio::spawn(async move {
+                            deliver_with(&second_guard, &payment, &message, "second", Recording::Nothing).await
+                        })
+                    };
+                    started_rx.await.expect("second delivery started");
+                    fx.wait_for_blocked_claim().await;
+                    release_tx.send(()).expect("release");
+                    assert!(matches!(first.await.unwrap(), Err(GuardError::Handler(_))), "{timing:?}");
+                    assert!(matches!(second.await.unwrap(), Outcome::Applied(_)), "{timing:?}");
+                    assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects WHERE note = 'second'").await, 1, "{timing:?}");
+                    assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 1, "{timing:?}");
+                    assert_eq!(fx.inbox_rows().await, 1, "{timing:?}");
+                }
+            }
+
             #[tokio::test]
             async fn one_message_two_consumer_types_both_apply() {
                 let fx = fixture().await;

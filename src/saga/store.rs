@@ -304,10 +304,14 @@ const SELECT: &str = concat!(
 );
 const UNFINISHED: &str = "SELECT id FROM saga_instances WHERE saga_name = $1 \
     AND status IN ('running', 'compensating') AND parked_reason IS NULL ORDER BY created_at, id";
-/// The start of [`SagaStore::list`]'s query, to which it adds only the filters given,
-/// so each filter is an index condition and the page cursor a range on
-/// `(created_at, id)`, however deep the page.
-const LIST_SELECT: &str = concat!("SELECT ", saga_columns!(), ", version FROM saga_instances");
+/// The start of [`SagaStore::list`]'s query, to which it adds only the filters given
+/// (each an `AND …`), so each filter is an index condition and the page cursor a range
+/// on `(created_at, id)`, however deep the page.
+const LIST_SELECT: &str = concat!(
+    "SELECT ",
+    saga_columns!(),
+    ", version FROM saga_instances WHERE TRUE"
+);
 /// Sagas per definition and state.
 const COUNTS: &str = "SELECT saga_name, status, parked_reason IS NOT NULL AS parked, \
     COUNT(*) AS sagas FROM saga_instances GROUP BY saga_name, status, parked_reason IS NOT NULL";
@@ -538,35 +542,24 @@ macro_rules! common_methods {
 
         async fn list(&self, filter: &SagaFilter) -> Result<Vec<SagaInstance>, sqlx::Error> {
             let mut query = sqlx::QueryBuilder::<$db>::new(LIST_SELECT);
-            let mut clause = " WHERE ";
             let (status, parked) = state_params(filter);
             if let Some(status) = status {
-                query.push(clause).push("status = ").push_bind(status);
-                clause = " AND ";
+                query.push(" AND status = ").push_bind(status);
             }
-            if let Some(parked) = parked {
-                query.push(clause).push(if parked {
-                    "parked_reason IS NOT NULL"
-                } else {
-                    "parked_reason IS NULL"
-                });
-                clause = " AND ";
+            match parked {
+                Some(true) => _ = query.push(" AND parked_reason IS NOT NULL"),
+                Some(false) => _ = query.push(" AND parked_reason IS NULL"),
+                None => {}
             }
             if let Some(name) = &filter.saga_name {
-                query
-                    .push(clause)
-                    .push("saga_name = ")
-                    .push_bind(name.as_str());
-                clause = " AND ";
+                query.push(" AND saga_name = ").push_bind(name.as_str());
             }
             if let Some(since) = filter.created_since {
-                query.push(clause).push("created_at >= ").push_bind(since);
-                clause = " AND ";
+                query.push(" AND created_at >= ").push_bind(since);
             }
             if let Some(cursor) = &filter.after {
                 query
-                    .push(clause)
-                    .push("(created_at, id) < (")
+                    .push(" AND (created_at, id) < (")
                     .push_bind(cursor.created_at)
                     .push(", ")
                     .push_bind(cursor.id.as_str())

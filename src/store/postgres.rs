@@ -116,8 +116,9 @@ fn partition_name(month: Month) -> String {
 
 /// Tries the key's advisory lock (`$1`, `$2`) and looks up its first delivery (`$3`,
 /// `$4`) in one statement: one row, `locked` and the first delivery's columns or NULLs.
-/// The claim of a key without its own bucket (after taking the lock), and the second
-/// look of a bucketed claim whose insert met a row its snapshot did not show.
+/// The claim of a key without its own bucket (after taking the lock), of a key whose
+/// handler records a result (the row is inserted after it), and the second look of a
+/// claim whose insert ([`claim_fast_sql`]) wrote nothing.
 ///
 /// The try and the lookup share the statement's snapshot: a delivery that commits
 /// between the two stays unseen. That is why a claim without its own bucket, whose row
@@ -144,38 +145,19 @@ fn claim_sql(key: &ClaimKey<'_>) -> String {
     )
 }
 
-/// The claim of a key filed in its own month (`!probe_all`) once [`claim_fast_sql`]
-/// wrote nothing, in one statement that tells why: try the key's advisory lock (`$1`,
-/// `$2`), and if it was taken insert the key's row (`$3` consumer type, `$4` message id,
-/// `$5` bucket, `$6` processed at) with a null result, `ON CONFLICT DO NOTHING`. One
-/// row: `locked`, `inserted`.
+/// The claim of a key filed in its own month (`!probe_all`) whose handler records no
+/// result, in one statement: if the key's advisory lock (`$5`, `$6`) is free, take it and
+/// insert the key's row (`$1` consumer type, `$2` message id, `$3` bucket, `$4`
+/// processed at) with a null result, `ON CONFLICT DO NOTHING` — the hand-written inbox's
+/// statement with the lock as its condition.
 ///
-/// Writing the row in the claim gives the guard the round trips of a hand-written
-/// `INSERT … ON CONFLICT DO NOTHING` inbox: `BEGIN`, claim, the handler's statements,
-/// `COMMIT`. The partition's primary key is global for such keys, so the insert is the
-/// arbiter: a racing insert of the same key waits for ours to end. Only a key that was
-/// not inserted is looked up, by a second statement whose fresh snapshot sees the row
-/// that won, committed before this statement or while it waited. The claim does not
-/// look up in the same statement: every fresh message would pay for a lookup that only
-/// a duplicate needs, and duplicates are the rare case.
-fn claim_insert_sql(key: &ClaimKey<'_>) -> String {
-    let partition = partition_name(key.bucket);
-    format!(
-        "WITH claim AS (SELECT pg_try_advisory_xact_lock($1, $2) AS locked), \
-              fresh AS (INSERT INTO {partition} (consumer_type, message_id, bucket, processed_at, result) \
-                        SELECT $3, $4, $5, $6, 'null'::jsonb FROM claim WHERE locked \
-                        ON CONFLICT DO NOTHING RETURNING 1) \
-         SELECT c.locked, EXISTS (SELECT 1 FROM fresh) AS inserted FROM claim c"
-    )
-}
-
-/// The claim of a key filed in its own month, first try: insert its row (`$1` consumer
-/// type, `$2` message id, `$3` bucket, `$4` processed at) with a null result if the key's
-/// advisory lock (`$5`, `$6`) is free, `ON CONFLICT DO NOTHING` — the hand-written
-/// inbox's statement with the lock as its condition. One row inserted: the claim is
-/// fresh, with the lock held. None: the lock was taken or the row exists, which
-/// [`claim_insert_sql`] then tells apart; that costs a statement more, for duplicates
-/// only.
+/// One row inserted: the claim is fresh, with the lock held, in the round trips of a
+/// hand-written inbox (`BEGIN`, claim, the handler's statements, `COMMIT`). The
+/// partition's primary key is global for such keys and every writer of a key's row
+/// holds its lock, so the insert itself is the arbiter. None: the lock is taken or the
+/// row exists; the lookup ([`claim_sql`], after waiting for the lock if need be) then
+/// tells which, in a statement whose fresh snapshot sees the row that won. Only
+/// duplicates pay for that second statement.
 fn claim_fast_sql(key: &ClaimKey<'_>) -> String {
     format!(
         "INSERT INTO {} (consumer_type, message_id, bucket, processed_at, result) \
@@ -301,21 +283,10 @@ impl InboxStore for PostgresStore {
         if inserted {
             return Ok((tx, Claimed::Fresh { row_written: true }));
         }
-        let claim = || {
-            sqlx::query(AssertSqlSafe(claim_insert_sql(key)))
-                .bind(LOCK_CLASS)
-                .bind(lock)
-                .bind(key.consumer_type.as_str())
-                .bind(key.message_id.as_str())
-                .bind(key.bucket.first_day())
-                .bind(processed_at)
-        };
-        let row = once_locked(&mut tx, lock, claim).await?;
-        if row.try_get::<bool, _>("inserted")? {
-            return Ok((tx, Claimed::Fresh { row_written: true }));
-        }
-        // The insert met the key's row: a duplicate. Read what it recorded.
-        let row = lookup().fetch_one(&mut *tx).await?;
+        // Locked out, or the row exists: look, after the holder of the lock (if any)
+        // ended. No row then (the holder rolled back) leaves the claim fresh with the
+        // lock held, and the row is written after the handler.
+        let row = once_locked(&mut tx, lock, lookup).await?;
         let claimed = found(&row)?;
         Ok((tx, claimed))
     }
