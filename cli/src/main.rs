@@ -348,38 +348,8 @@ enum Command {
     /// hand-written lapin consumer (INSERT … ON CONFLICT DO NOTHING, the business
     /// statements, commit, ack) and by sagabox's Participant runtime, on one broker and
     /// one database in one run. Scratch queues and a scratch schema, removed afterwards.
-    BenchBroker {
-        /// postgres://user@host:port/db (a scratch schema in it is used and removed)
-        #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
-        database_url: String,
-        /// The RabbitMQ broker: amqp://user:password@host:port/vhost
-        #[arg(long, value_name = "URL")]
-        transport: String,
-        /// Messages published before each consumer starts (its backlog: messages/s).
-        #[arg(long, default_value_t = 20_000, value_parser = args::at_least_one)]
-        messages: usize,
-        /// Messages published at --rate while each consumer runs (latency: p50, p99).
-        #[arg(long, default_value_t = 2_000, value_parser = args::at_least_one)]
-        paced: usize,
-        /// Messages per second in the paced phase.
-        #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=100_000))]
-        rate: u32,
-        /// Share of messages that repeat an earlier id, 0..=1.
-        #[arg(long, default_value_t = 0.2, value_parser = args::rate)]
-        duplicate_rate: f64,
-        /// Unacknowledged messages per consumer (AMQP prefetch), 1 to 65535.
-        #[arg(long, default_value_t = 32, value_parser = args::prefetch)]
-        prefetch: u16,
-        /// Concurrent handlers (and database connections) per consumer, 1 to 10000.
-        #[arg(long, default_value_t = 8, value_parser = args::parallel)]
-        workers: usize,
-        /// Seed of the workload's random choices.
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        /// Print one JSON object instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
+    #[command(name = "bench-broker")]
+    BenchBroker(bench::broker::BrokerBenchArgs),
     /// Read and replay a RabbitMQ dead-letter queue (<queue>.dead): `list` shows the dead
     /// letters without taking them, `replay` sends them back to their queue.
     #[command(subcommand)]
@@ -542,7 +512,7 @@ async fn main() -> ExitCode {
         Command::Prune { database_url, .. } => Some(("prune", database_url)),
         Command::Inspect { database_url, .. } => Some(("inspect", database_url)),
         Command::Bench { database_url, .. } => Some(("bench", database_url)),
-        Command::BenchBroker { database_url, .. } => Some(("bench-broker", database_url)),
+        Command::BenchBroker(args) => Some(("bench-broker", &args.database_url)),
         Command::Saga { command } => Some(("saga", command.database_url())),
         Command::Console(args) => Some(("console", &args.database_url)),
         // The broker only.
@@ -829,41 +799,8 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             )?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::BenchBroker {
-            database_url,
-            transport,
-            messages,
-            paced,
-            rate,
-            duplicate_rate,
-            prefetch,
-            workers,
-            seed,
-            json,
-        } => {
-            if !database_url.starts_with("postgres") {
-                usage_error(
-                    "bench-broker",
-                    "--database-url: the broker bench runs on PostgreSQL (postgres://…)",
-                );
-            }
-            if !transport.starts_with("amqp://") && !transport.starts_with("amqps://") {
-                usage_error(
-                    "bench-broker",
-                    "--transport: the broker bench speaks RabbitMQ (amqp://user:password@host:port/vhost)",
-                );
-            }
-            let args = bench::broker::BrokerBenchArgs {
-                database_url,
-                amqp_url: transport,
-                messages,
-                paced,
-                rate,
-                duplicate_rate,
-                prefetch,
-                workers,
-                seed,
-            };
+        Command::BenchBroker(args) => {
+            let json = args.json;
             report("bench-broker", bench::broker::run(args).await, json)?;
             Ok(ExitCode::SUCCESS)
         }

@@ -38,18 +38,58 @@ use tokio::task::JoinSet;
 
 use super::BoxError;
 
-/// What to measure.
-#[derive(Debug, Clone)]
+/// What to measure: `sagabox bench-broker`'s arguments.
+#[derive(Debug, Clone, clap::Args)]
 pub(crate) struct BrokerBenchArgs {
+    /// postgres://user@host:port/db (a scratch schema in it is used and removed)
+    #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = sagabox_cli::args::DEFAULT_DATABASE_URL,
+          value_parser = postgres_url)]
     pub(crate) database_url: String,
+    /// The RabbitMQ broker: amqp://user:password@host:port/vhost
+    #[arg(long = "transport", value_name = "URL", value_parser = amqp_url)]
     pub(crate) amqp_url: String,
+    /// Messages published before each consumer starts (its backlog: messages/s).
+    #[arg(long, default_value_t = 20_000, value_parser = sagabox_cli::args::at_least_one)]
     pub(crate) messages: usize,
+    /// Messages published at --rate while each consumer runs (latency: p50, p99).
+    #[arg(long, default_value_t = 2_000, value_parser = sagabox_cli::args::at_least_one)]
     pub(crate) paced: usize,
+    /// Messages per second in the paced phase.
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub(crate) rate: u32,
+    /// Share of messages that repeat an earlier id, 0..=1.
+    #[arg(long, default_value_t = 0.2, value_parser = sagabox_cli::args::rate)]
     pub(crate) duplicate_rate: f64,
+    /// Unacknowledged messages per consumer (AMQP prefetch), 1 to 65535.
+    #[arg(long, default_value_t = 32, value_parser = sagabox_cli::args::prefetch)]
     pub(crate) prefetch: u16,
+    /// Concurrent handlers (and database connections) per consumer, 1 to 10000.
+    #[arg(long, default_value_t = 8, value_parser = sagabox_cli::args::parallel)]
     pub(crate) workers: usize,
+    /// Seed of the workload's random choices.
+    #[arg(long, default_value_t = 1)]
     pub(crate) seed: u64,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// Parses `--database-url`: the broker bench runs on PostgreSQL.
+fn postgres_url(url: &str) -> Result<String, String> {
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        Ok(url.to_owned())
+    } else {
+        Err("the broker bench runs on PostgreSQL (postgres://…)".into())
+    }
+}
+
+/// Parses `--transport`: the broker bench speaks RabbitMQ.
+fn amqp_url(url: &str) -> Result<String, String> {
+    if url.starts_with("amqp://") || url.starts_with("amqps://") {
+        Ok(url.to_owned())
+    } else {
+        Err("the broker bench speaks RabbitMQ (amqp://user:password@host:port/vhost)".into())
+    }
 }
 
 /// One consumer's figures.
@@ -221,16 +261,26 @@ async fn publish(
 /// A consumer running, and how many deliveries it acknowledged.
 trait Running {
     fn acked(&self) -> u64;
+
+    /// Why the consumer stopped on its own, if it did.
+    async fn failure(&mut self) -> Option<BoxError> {
+        None
+    }
 }
 
-/// Waits until `running` acknowledged `count` deliveries (a minute without progress is
-/// an error).
-async fn until_acked(running: &impl Running, count: u64) -> Result<(), BoxError> {
+/// Waits until `running` acknowledged `count` deliveries (a consumer that stopped, or a
+/// minute without progress, is an error).
+async fn until_acked(running: &mut impl Running, count: u64) -> Result<(), BoxError> {
     let mut last = (running.acked(), Instant::now());
     loop {
         let acked = running.acked();
         if acked >= count {
             return Ok(());
+        }
+        if let Some(failure) = running.failure().await {
+            return Err(
+                format!("the consumer stopped ({acked} of {count} acked): {failure}").into(),
+            );
         }
         if acked > last.0 {
             last = (acked, Instant::now());
@@ -253,6 +303,17 @@ struct Handwritten {
 impl Running for Handwritten {
     fn acked(&self) -> u64 {
         self.acked.load(Ordering::Relaxed)
+    }
+
+    async fn failure(&mut self) -> Option<BoxError> {
+        if !self.task.is_finished() {
+            return None;
+        }
+        Some(match (&mut self.task).await {
+            Ok(Ok(())) => "its deliveries ended".into(),
+            Ok(Err(error)) => error,
+            Err(panicked) => panicked.into(),
+        })
     }
 }
 
@@ -324,17 +385,12 @@ impl Handwritten {
         })
     }
 
+    /// Closes the connection once every delivery is acked; the consumer's loop ends
+    /// with it (the error of a stream cut by its own close says nothing).
     async fn stop(self) -> Result<(), BoxError> {
         self.connection.close(200, "bench done".into()).await?;
-        match self.task.await? {
-            Ok(()) => Ok(()),
-            // The stream ends with the connection; anything else is the consumer's error.
-            Err(error) if self.acked.load(Ordering::Relaxed) > 0 => {
-                tracing::debug!(%error, "hand-written consumer ended with its connection");
-                Ok(())
-            }
-            Err(error) => Err(error),
-        }
+        self.task.abort();
+        Ok(())
     }
 }
 
@@ -363,16 +419,16 @@ async fn measure<R: Running>(
     for id in backlog {
         publish(publisher, queue, id, false).await?;
     }
-    let running = start.await?;
+    let mut running = start.await?;
     let started = Instant::now();
-    until_acked(&running, backlog.len() as u64).await?;
+    until_acked(&mut running, backlog.len() as u64).await?;
     let msgs_per_sec = backlog.len() as f64 / started.elapsed().as_secs_f64();
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(rate)));
     for id in paced {
         tick.tick().await;
         publish(publisher, queue, id, true).await?;
     }
-    until_acked(&running, (backlog.len() + paced.len()) as u64).await?;
+    until_acked(&mut running, (backlog.len() + paced.len()) as u64).await?;
     Ok((running, msgs_per_sec))
 }
 
