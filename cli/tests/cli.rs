@@ -338,6 +338,40 @@ async fn prune_dry_run_changes_nothing_and_a_pass_creates_ahead() {
     assert!(String::from_utf8_lossy(&refused.stderr).contains("shorter than the broker retention"));
 }
 
+/// `serve --max-deliveries` reaches the queue it declares: the quorum queue's
+/// `x-delivery-limit` is one less, so a declare with the same limit is accepted and one
+/// with the default (5) is refused by the broker as another queue.
+#[tokio::test]
+async fn serve_declares_its_queue_with_the_delivery_limit_it_was_given() {
+    let (db, rabbit) = (
+        common::Pg::new().await,
+        common::rabbit::Rabbit::new(&["payment"]).await,
+    );
+    let serve = common::children::Children::new(vec![rabbit.serve("payment", &db.url, 1)]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while rabbit.consumers(&rabbit.queue("payment")).await == 0 {
+        assert!(Instant::now() < deadline, "serve never started consuming");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let payment = sagabox::ConsumerType::new("payment").unwrap();
+    let declare = async |max_redeliveries: u32| {
+        let mut config = rabbit.config.clone();
+        config.max_redeliveries = max_redeliveries;
+        // A refused declare closes its channel: one of its own each time.
+        let channel = rabbit.connection.create_channel().await.unwrap();
+        sagabox::amqp::declare(&channel, &config, &payment).await
+    };
+    declare(common::rabbit::MAX_DELIVERIES)
+        .await
+        .expect("the same limit as serve's");
+    let refused = declare(5).await.unwrap_err();
+    assert!(
+        matches!(refused, sagabox::amqp::AmqpError::QueueMismatch { .. }),
+        "{refused}"
+    );
+    drop(serve);
+}
+
 /// `bench-broker` on a small scale, against the real broker and database: both consumers
 /// drain their queue, each message id is applied exactly once by each, the ratio is to
 /// the hand-written consumer, and the scratch queues and schema are gone afterwards.
