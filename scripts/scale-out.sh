@@ -25,23 +25,13 @@ CONCURRENCY=${CONCURRENCY:-64}
 SERVE_ARGS=${SERVE_ARGS:-}
 ROLES="payment inventory email"
 
-# CPU ticks (user + system) of the processes whose command name is $1, with those of
-# their exited children (PostgreSQL's postmaster collects its closed backends').
+# CPU ticks (user + system) of the given pids, with those of their exited children
+# (PostgreSQL's postmaster collects its closed backends').
 cpu_of() {
-  local ticks=0
-  for pid in $(pgrep -x "$1" || true); do
-    if [ -r "/proc/$pid/stat" ]; then
-      ticks=$((ticks + $(awk '{print $14 + $15 + $16 + $17}' "/proc/$pid/stat" 2>/dev/null || echo 0)))
-    fi
-  done
-  echo "$ticks"
-}
-# CPU ticks of the given pids.
-cpu_of_pids() {
   local ticks=0
   for pid in "$@"; do
     if [ -r "/proc/$pid/stat" ]; then
-      ticks=$((ticks + $(awk '{print $14 + $15}' "/proc/$pid/stat" 2>/dev/null || echo 0)))
+      ticks=$((ticks + $(awk '{print $14 + $15 + $16 + $17}' "/proc/$pid/stat" 2>/dev/null || echo 0)))
     fi
   done
   echo "$ticks"
@@ -81,11 +71,11 @@ for count in $COUNTS; do
     FROM pg_stat_activity WHERE state = 'active' AND pid <> pg_backend_pid() \
     AND datname = current_database()" '\watch 0.05' | psql -Atq "$URL" >>"$WAITS" 2>/dev/null &
   SAMPLER=$!
-  pg0=$(cpu_of postgres); mq0=$(cpu_of beam.smp); sv0=$(cpu_of_pids "${SERVES[@]}")
+  pg0=$(cpu_of $(pgrep -x postgres)); mq0=$(cpu_of $(pgrep -x beam.smp)); sv0=$(cpu_of "${SERVES[@]}")
   OUT=$(mktemp)
   /usr/bin/time -f "%U %S" -o "$OUT.time" "$BIN" demo --database-url "$URL" --transport "$AMQP" \
     --queue-prefix "$PREFIX" --external-participants --orders "$ORDERS" --concurrency "$CONCURRENCY" --json >"$OUT" 2>/dev/null || true
-  pg1=$(cpu_of postgres); mq1=$(cpu_of beam.smp); sv1=$(cpu_of_pids "${SERVES[@]}")
+  pg1=$(cpu_of $(pgrep -x postgres)); mq1=$(cpu_of $(pgrep -x beam.smp)); sv1=$(cpu_of "${SERVES[@]}")
   kill "$SAMPLER" 2>/dev/null || true
   kill -TERM "${SERVES[@]}" 2>/dev/null || true
   wait "${SERVES[@]}" 2>/dev/null || true
@@ -116,4 +106,5 @@ PY
     done
   done
   psql -q "$ADMIN_URL" -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)"
+  DB=""
 done
