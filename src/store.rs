@@ -133,9 +133,8 @@ pub enum Claimed {
     Duplicate(FirstDelivery),
 }
 
-/// A batch claim: the guard's open transaction and, per key, its first delivery if it
-/// was already recorded.
-pub type BatchClaim<Db> = (Transaction<'static, Db>, Vec<Option<FirstDelivery>>);
+/// A batch claim: the guard's open transaction and, per key, what its claim found.
+pub type BatchClaim<Db> = (Transaction<'static, Db>, Vec<Claimed>);
 
 /// A database the inbox can live in.
 ///
@@ -192,15 +191,31 @@ pub trait InboxStore: Debug + Send + Sync + 'static {
 
     /// Begins the guard's transaction for a batch and claims every key in it, waiting for
     /// racing claims of any of them to end. Every key has the same consumer type and
-    /// appears once. Returns, in the order of `keys`, the first delivery of each key that
-    /// was already recorded.
+    /// appears once. Returns, in the order of `keys`, what each key's claim found.
+    ///
+    /// With `write_rows_at`, as in [`begin_claim`](Self::begin_claim), a store may write
+    /// fresh keys' rows already (processed at that time, with a null result) and say so
+    /// per key with [`Claimed::Fresh`]`{ row_written: true }`; the guard then only fills
+    /// in non-null results ([`record_batch_results`](Self::record_batch_results)) and
+    /// inserts the rows of the other fresh keys ([`record_batch`](Self::record_batch)).
     ///
     /// Overlapping batches must not deadlock: a store takes the keys' locks in one fixed
-    /// order.
+    /// order, or only tries them and starts over in that order when one is taken.
     fn begin_batch_claim(
         &self,
         keys: &[ClaimKey<'_>],
+        write_rows_at: Option<DateTime<Utc>>,
     ) -> impl Future<Output = Result<BatchClaim<Self::Db>, sqlx::Error>> + Send;
+
+    /// Sets the handler results (`results[i]` for `keys[i]`) on rows the batch's claim
+    /// wrote ([`Claimed::Fresh`]`{ row_written: true }`), inside its transaction. Returns
+    /// how many rows were updated: fewer than `keys.len()` means a row was not there.
+    fn record_batch_results(
+        &self,
+        tx: &mut Transaction<'static, Self::Db>,
+        keys: &[ClaimKey<'_>],
+        results: &[&Value],
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// Records every key of a batch claimed by
     /// [`begin_batch_claim`](Self::begin_batch_claim) with its handler result

@@ -327,6 +327,192 @@ macro_rules! batch_suite {
                 assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 3);
             }
 
+            /// The insert-first claim: handlers with no result to record, so a batch's
+            /// claim writes its fresh rows in its first statement and falls back to
+            /// blocking locks in key order when a racing delivery holds one. Batches over
+            /// overlapping keys in opposite orders, single deliveries of both kinds
+            /// (writing their row first, and recording a result after the handler) among
+            /// them, repeated: each key applied once, no deadlock, every duplicate
+            /// answered with its first delivery's result.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn concurrent_insert_first_batches_apply_each_key_exactly_once() {
+                const KEYS: usize = 150;
+                const TASKS: usize = 8;
+                const BATCH: usize = 25;
+                const ROUNDS: usize = 4;
+                let fx = fixture().await;
+                let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
+                let payment = consumer("payment");
+                for round in 0..ROUNDS {
+                    let timing = Timing::UuidV7(at(2026, 12, 2, 9, 0, 0));
+                    let messages: Vec<Envelope> = (0..KEYS).map(|k| envelope(&format!("fast-{round}/key-{k}"), timing)).collect();
+                    let barrier = Arc::new(tokio::sync::Barrier::new(TASKS));
+                    let mut tasks = Vec::new();
+                    for task in 0..TASKS {
+                        let guard = guard(&fx, &clock, 1).await;
+                        let (messages, payment, barrier) = (messages.clone(), payment.clone(), barrier.clone());
+                        tasks.push(tokio::spawn(async move {
+                            let mut order: Vec<usize> = (0..KEYS).map(|i| (i + task * 11 + round * 5) % KEYS).collect();
+                            if task % 2 == 1 {
+                                order.reverse();
+                            }
+                            barrier.wait().await;
+                            let mut outcomes = Vec::new();
+                            for chunk in order.chunks(BATCH) {
+                                if task < 2 {
+                                    // Task 0 delivers singly with no result (its claim writes
+                                    // the row first); task 1 singly with a result (its claim
+                                    // looks, and the row is inserted after the handler).
+                                    for &i in chunk {
+                                        let outcome = guard
+                                            .process(&payment, &messages[i], async |conn, env| {
+                                                let result = apply(conn, &payment, env, "single").await?;
+                                                Ok::<_, sqlx::Error>(if task == 0 { serde_json::Value::Null } else { result })
+                                            })
+                                            .await
+                                            .expect("process");
+                                        outcomes.push((i, outcome, task));
+                                    }
+                                } else {
+                                    let envelopes: Vec<Envelope> = chunk.iter().map(|&i| messages[i].clone()).collect();
+                                    let batch = guard
+                                        .process_batch(&payment, &envelopes, async |conn, env| {
+                                            apply(conn, &payment, env, "batch").await?;
+                                            Ok::<_, sqlx::Error>(serde_json::Value::Null)
+                                        })
+                                        .await
+                                        .expect("a batch failed (a deadlock is an error)");
+                                    for (&i, outcome) in chunk.iter().zip(batch) {
+                                        outcomes.push((i, outcome.expect("accepted"), task));
+                                    }
+                                }
+                            }
+                            outcomes
+                        }));
+                    }
+                    let mut first_result: Vec<Option<serde_json::Value>> = vec![None; KEYS];
+                    let mut all = Vec::new();
+                    for task in tasks {
+                        all.extend(task.await.expect("task"));
+                    }
+                    for (i, outcome, _) in &all {
+                        if let Outcome::Applied(result) = outcome {
+                            assert!(first_result[*i].is_none(), "round {round}: key {i} applied twice");
+                            first_result[*i] = Some(result.clone());
+                        }
+                    }
+                    assert!(first_result.iter().all(Option::is_some), "round {round}: a key was never applied");
+                    for (i, outcome, task) in &all {
+                        if let Outcome::Duplicate { result, .. } = outcome {
+                            assert_eq!(Some(result), first_result[*i].as_ref(), "round {round}: task {task}, key {i}");
+                        }
+                    }
+                    assert_eq!(all.len(), KEYS * TASKS);
+                }
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, (ROUNDS * KEYS) as i64);
+                assert_eq!(
+                    fx.scalar("SELECT COUNT(*) FROM (SELECT message_id FROM effects GROUP BY message_id HAVING COUNT(*) > 1) d").await,
+                    0,
+                    "a key was applied twice"
+                );
+                assert_eq!(fx.inbox_rows().await, (ROUNDS * KEYS) as i64);
+            }
+
+            /// A batch one of whose keys a single delivery holds (inside its handler)
+            /// waits for it, does not run that key's handler, and answers it with the
+            /// single delivery's result; its other keys apply.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn an_insert_first_batch_waits_for_a_key_held_by_a_single_delivery() {
+                let fx = fixture().await;
+                let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
+                let batch_guard = guard(&fx, &clock, 1).await;
+                let single_guard = guard(&fx, &clock, 1).await;
+                let payment = consumer("payment");
+                let timing = Timing::UuidV7(at(2026, 12, 2, 9, 0, 0));
+                let messages: Vec<Envelope> = (0..4).map(|k| envelope(&format!("wait-{k}"), timing)).collect();
+                let (inside_tx, inside_rx) = tokio::sync::oneshot::channel::<()>();
+                let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
+                let single = {
+                    let (payment, message) = (payment.clone(), messages[2].clone());
+                    tokio::spawn(async move {
+                        single_guard
+                            .process(&payment, &message, async |conn, env| {
+                                apply(conn, &payment, env, "single").await?;
+                                inside_tx.send(()).expect("signal");
+                                release_rx.await.expect("release");
+                                Ok::<_, sqlx::Error>(json!("single's result"))
+                            })
+                            .await
+                            .expect("single")
+                    })
+                };
+                inside_rx.await.expect("the single delivery is inside its handler");
+                let runs = Arc::new(AtomicUsize::new(0));
+                let batch = {
+                    let (payment, messages, runs) = (payment.clone(), messages.clone(), runs.clone());
+                    tokio::spawn(async move {
+                        batch_guard
+                            .process_batch(&payment, &messages, async |conn, env| {
+                                runs.fetch_add(1, Ordering::SeqCst);
+                                apply(conn, &payment, env, "batch").await?;
+                                Ok::<_, sqlx::Error>(serde_json::Value::Null)
+                            })
+                            .await
+                            .expect("batch")
+                    })
+                };
+                fx.wait_for_blocked_claim().await;
+                assert_eq!(runs.load(Ordering::SeqCst), 0, "the batch ran a handler while a key of it was held");
+                release_tx.send(()).expect("release");
+                assert!(matches!(single.await.unwrap(), Outcome::Applied(_)));
+                let outcomes: Vec<Outcome> = batch.await.unwrap().into_iter().map(|o| o.unwrap()).collect();
+                assert_eq!(runs.load(Ordering::SeqCst), 3);
+                for (k, outcome) in outcomes.iter().enumerate() {
+                    if k == 2 {
+                        assert!(matches!(outcome, Outcome::Duplicate { result, .. } if *result == json!("single's result")), "{outcome:?}");
+                    } else {
+                        assert_eq!(*outcome, Outcome::Applied(serde_json::Value::Null));
+                    }
+                }
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 4);
+                assert_eq!(fx.inbox_rows().await, 4);
+            }
+
+            /// A batch whose claim wrote the rows first and whose handler then returns a
+            /// result for some envelopes: those results are recorded, the others stay
+            /// null, and redeliveries get each one.
+            #[tokio::test]
+            async fn results_of_an_insert_first_batch_are_recorded_where_not_null() {
+                let fx = fixture().await;
+                let clock = ManualClock::new(at(2026, 12, 2, 10, 0, 0));
+                let guard = guard(&fx, &clock, 2).await;
+                let payment = consumer("payment");
+                let timing = Timing::UuidV7(at(2026, 12, 2, 9, 0, 0));
+                let messages: Vec<Envelope> = (0..6).map(|k| envelope(&format!("mixed-{k}"), timing)).collect();
+                let result_of = |k: usize| if k % 2 == 0 { json!({"charge": k}) } else { serde_json::Value::Null };
+                for round in 0..2 {
+                    let outcomes = guard
+                        .process_batch_set(&payment, &messages, async |conn, fresh| {
+                            let mut results = Vec::new();
+                            for envelope in fresh {
+                                apply(conn, &payment, envelope, "set").await?;
+                                let k: usize = messages.iter().position(|m| m.id == envelope.id).unwrap();
+                                results.push(result_of(k));
+                            }
+                            Ok::<_, sqlx::Error>(results)
+                        })
+                        .await
+                        .unwrap();
+                    for (k, outcome) in outcomes.into_iter().enumerate() {
+                        let outcome = outcome.unwrap();
+                        assert_eq!(outcome.is_duplicate(), round == 1, "round {round}, message {k}");
+                        assert_eq!(*outcome.result(), result_of(k), "round {round}, message {k}");
+                    }
+                }
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM effects").await, 6);
+                assert_eq!(fx.inbox_rows().await, 6);
+            }
+
             /// A message without a time first processed on the 30th lands in November's
             /// partition; redelivered in a batch on the 1st, it must still be found.
             #[tokio::test]

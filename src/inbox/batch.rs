@@ -1,5 +1,7 @@
 //! [`InboxGuard::process_batch`]: a batch of envelopes through the guard in one
-//! transaction — one claim statement, one record statement, one commit.
+//! transaction. On PostgreSQL a fresh batch whose handler records no result costs the
+//! inbox one statement (the claim writes every row, as a single claim does); otherwise
+//! a claim, a lookup of earlier deliveries and one statement recording the results.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -10,7 +12,7 @@ use sqlx::Database;
 use crate::envelope::{ConsumerType, Envelope};
 use crate::inbox::{GuardError, InboxError, InboxGuard, Outcome};
 use crate::metrics::{self, MessageOutcome};
-use crate::store::{ClaimKey, InboxStore};
+use crate::store::{ClaimKey, Claimed, InboxStore};
 
 /// The most envelopes [`InboxGuard::process_batch`] takes at once. A batch holds the locks
 /// of all its keys until it commits; bigger batches only make racing deliveries wait
@@ -174,8 +176,11 @@ impl<S: InboxStore> InboxGuard<S> {
             }
         }
 
+        // As for a single claim: a handler that records no result lets the claim write
+        // the fresh keys' rows in its own statement.
+        let write_rows_at = (!self.records_results(consumer_type)).then_some(now);
         let claim_started = Instant::now();
-        let (mut tx, firsts) = match self.store().begin_batch_claim(&keys).await {
+        let (mut tx, claims) = match self.store().begin_batch_claim(&keys, write_rows_at).await {
             Err(error) if S::is_missing_partition(&error) => {
                 // A month dropped by a pruner since we cached it: ask again (a pruned
                 // month is refused, never recreated), then claim once more.
@@ -183,7 +188,7 @@ impl<S: InboxStore> InboxGuard<S> {
                     self.forget_partition(key.bucket);
                     self.ensure_partition(key.bucket).await?;
                 }
-                self.store().begin_batch_claim(&keys).await?
+                self.store().begin_batch_claim(&keys, write_rows_at).await?
             }
             claimed => claimed?,
         };
@@ -191,25 +196,28 @@ impl<S: InboxStore> InboxGuard<S> {
 
         // Per claimed key: its first delivery, or None while it waits for its result.
         let mut claimed: Vec<Option<Outcome>> = Vec::with_capacity(keys.len());
-        let mut fresh_keys = Vec::new();
+        let mut fresh = Vec::new();
         let mut fresh_envelopes = Vec::new();
         let mut counted_duplicates = false;
-        for (i, first) in firsts.into_iter().enumerate() {
-            if let Some(first) = &first {
-                // Counted on the first delivery's row, as a single duplicate is, for
-                // `sagabox inspect`; in this transaction, which holds the key.
-                self.store()
-                    .record_duplicate(&mut tx, &keys[i], first, now)
-                    .await?;
-                counted_duplicates = true;
-            }
-            claimed.push(first.map(|first| Outcome::Duplicate {
-                first_processed_at: first.processed_at,
-                result: first.result,
-            }));
-            if claimed[i].is_none() {
-                fresh_keys.push(keys[i]);
-                fresh_envelopes.push(envelope_of[i]);
+        for (i, claim) in claims.into_iter().enumerate() {
+            match claim {
+                Claimed::Duplicate(first) => {
+                    // Counted on the first delivery's row, as a single duplicate is, for
+                    // `sagabox inspect`; in this transaction, which holds the key.
+                    self.store()
+                        .record_duplicate(&mut tx, &keys[i], &first, now)
+                        .await?;
+                    counted_duplicates = true;
+                    claimed.push(Some(Outcome::Duplicate {
+                        first_processed_at: first.processed_at,
+                        result: first.result,
+                    }));
+                }
+                Claimed::Fresh { row_written } => {
+                    claimed.push(None);
+                    fresh.push((keys[i], row_written));
+                    fresh_envelopes.push(envelope_of[i]);
+                }
             }
         }
         let results = if fresh_envelopes.is_empty() {
@@ -235,31 +243,25 @@ impl<S: InboxStore> InboxGuard<S> {
             }
         };
 
-        if !fresh_keys.is_empty() {
-            let fresh_results: Vec<&Value> = results.iter().collect();
-            let recorded = match self
-                .store()
-                .record_batch(&mut tx, &fresh_keys, now, &fresh_results)
+        if !fresh.is_empty() {
+            self.learn_records_results(
+                consumer_type,
+                results.iter().any(|result| !result.is_null()),
+            );
+            if let Err(error) = self
+                .record_fresh(&mut tx, consumer_type, &fresh, &results, now)
                 .await
             {
-                Err(error) if S::is_missing_partition(&error) => {
+                tx.rollback().await.ok();
+                if let InboxError::Database(error) = &error
+                    && S::is_missing_partition(error)
+                {
                     // A month dropped under us: nothing of ours commits.
-                    tx.rollback().await.ok();
-                    for key in &fresh_keys {
+                    for (key, _) in &fresh {
                         self.forget_partition(key.bucket);
                     }
-                    return Err(InboxError::Database(error).into());
                 }
-                recorded => recorded?,
-            };
-            if recorded != fresh_keys.len() as u64 {
-                // Cannot happen while every claim path takes the key's lock before it
-                // records; if it does, applying nothing is the safe answer.
-                tx.rollback().await.ok();
-                return Err(InboxError::BatchRaced {
-                    consumer_type: consumer_type.clone(),
-                }
-                .into());
+                return Err(error.into());
             }
             tx.commit().await?;
         } else if counted_duplicates {
@@ -293,5 +295,55 @@ impl<S: InboxStore> InboxGuard<S> {
                 Slot::Pending(_) => unreachable!("every pending slot was claimed or repeated"),
             })
             .collect())
+    }
+
+    /// Records the handler's results of a batch's fresh keys (`results[i]` for
+    /// `fresh[i]`, with whether the claim wrote its row): non-null results onto the rows
+    /// the claim wrote, in one statement; the other rows inserted with theirs, in one. Fails with
+    /// [`InboxError::BatchRaced`] when a row was not where the claim left it.
+    async fn record_fresh(
+        &self,
+        tx: &mut sqlx::Transaction<'static, S::Db>,
+        consumer_type: &ConsumerType,
+        fresh: &[(ClaimKey<'_>, bool)],
+        results: &[Value],
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> Result<(), InboxError> {
+        let mut to_update = (Vec::new(), Vec::new());
+        let mut to_insert = (Vec::new(), Vec::new());
+        for ((key, row_written), result) in fresh.iter().zip(results) {
+            if !row_written {
+                to_insert.0.push(*key);
+                to_insert.1.push(result);
+            } else if !result.is_null() {
+                to_update.0.push(*key);
+                to_update.1.push(result);
+            }
+        }
+        let raced = || InboxError::BatchRaced {
+            consumer_type: consumer_type.clone(),
+        };
+        if !to_update.0.is_empty() {
+            let updated = self
+                .store()
+                .record_batch_results(tx, &to_update.0, &to_update.1)
+                .await?;
+            if updated != to_update.0.len() as u64 {
+                return Err(raced());
+            }
+        }
+        if !to_insert.0.is_empty() {
+            // Fewer rows than keys: a key was recorded meanwhile. Cannot happen while
+            // every claim path takes the key's lock before it records; if it does,
+            // applying nothing is the safe answer.
+            let recorded = self
+                .store()
+                .record_batch(tx, &to_insert.0, now, &to_insert.1)
+                .await?;
+            if recorded != to_insert.0.len() as u64 {
+                return Err(raced());
+            }
+        }
+        Ok(())
     }
 }

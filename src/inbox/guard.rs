@@ -343,7 +343,7 @@ impl<S: InboxStore> InboxGuard<S> {
         self.known().remove(&month);
     }
 
-    fn records_results(&self, consumer_type: &ConsumerType) -> bool {
+    pub(super) fn records_results(&self, consumer_type: &ConsumerType) -> bool {
         self.records_results
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -352,7 +352,7 @@ impl<S: InboxStore> InboxGuard<S> {
             .unwrap_or(false)
     }
 
-    fn learn_records_results(&self, consumer_type: &ConsumerType, records: bool) {
+    pub(super) fn learn_records_results(&self, consumer_type: &ConsumerType, records: bool) {
         let mut known = self
             .records_results
             .lock()

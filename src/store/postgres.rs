@@ -12,6 +12,7 @@
 //! serialise with each other.
 //! `docs/partitioning.md` has the reasoning and the measurements.
 
+use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -24,6 +25,7 @@ use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Row, Transaction};
 
 use crate::database::ConnectError;
+use crate::envelope::ConsumerType;
 use crate::month::Month;
 use crate::store::{
     BatchClaim, ClaimKey, Claimed, FirstDelivery, InboxStore, MaintenanceLock, PARTITION_PREFIX,
@@ -220,6 +222,139 @@ async fn once_locked<'q>(
     statement().fetch_one(&mut **tx).await
 }
 
+/// The batch form of [`claim_fast_sql`]: for every key (`$3` message ids, `$4` buckets,
+/// `$5` lock objects, in class `$1`) try its advisory lock and, where it is taken, insert
+/// its row (`$2` consumer type, `$6` processed at, a null result) `ON CONFLICT DO
+/// NOTHING`. Returns one row per key *not* inserted, with whether its lock was taken.
+///
+/// The `MATERIALIZED` CTE tries each lock exactly once. Every writer of a key's row holds
+/// the key's lock, so an insert under the lock never waits for another transaction: the
+/// statement cannot block, nor deadlock with anything.
+const CLAIM_BATCH_FAST_SQL: &str = "\
+    WITH k AS MATERIALIZED ( \
+        SELECT u.message_id, u.bucket, pg_try_advisory_xact_lock($1, u.lock) AS locked \
+          FROM unnest($3::text[], $4::date[], $5::int4[]) AS u(message_id, bucket, lock)), \
+    ins AS ( \
+        INSERT INTO sagabox_inbox (consumer_type, message_id, bucket, processed_at, result) \
+        SELECT $2, k.message_id, k.bucket, $6, 'null'::jsonb FROM k WHERE k.locked \
+        ON CONFLICT DO NOTHING RETURNING message_id) \
+    SELECT k.message_id, k.locked FROM k \
+     WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.message_id = k.message_id)";
+
+/// The first deliveries of `keys` recorded so far, by message id: one lookup per
+/// partition the keys name (usually one), one through the parent for the keys whose
+/// earlier deliveries may be in any partition.
+async fn lookup_batch(
+    tx: &mut Transaction<'static, Postgres>,
+    consumer_type: &ConsumerType,
+    keys: &[ClaimKey<'_>],
+) -> Result<HashMap<String, FirstDelivery>, sqlx::Error> {
+    let mut groups: Vec<(Option<Month>, Vec<&str>)> = Vec::new();
+    for key in keys {
+        let bucket = (!key.probe_all).then_some(key.bucket);
+        match groups.iter_mut().find(|(b, _)| *b == bucket) {
+            Some((_, ids)) => ids.push(key.message_id.as_str()),
+            None => groups.push((bucket, vec![key.message_id.as_str()])),
+        }
+    }
+    let mut found = HashMap::new();
+    for (bucket, ids) in groups {
+        let sql = match bucket {
+            Some(month) => format!(
+                "SELECT message_id, processed_at, result FROM {} \
+                 WHERE consumer_type = $1 AND message_id = ANY($2)",
+                partition_name(month)
+            ),
+            None => "SELECT DISTINCT ON (message_id) message_id, processed_at, result \
+                     FROM sagabox_inbox WHERE consumer_type = $1 AND message_id = ANY($2) \
+                     ORDER BY message_id, processed_at"
+                .to_owned(),
+        };
+        let rows: Vec<(String, DateTime<Utc>, Json<Value>)> = sqlx::query_as(AssertSqlSafe(sql))
+            .bind(consumer_type.as_str())
+            .bind(&ids)
+            .fetch_all(&mut **tx)
+            .await?;
+        for (message_id, processed_at, Json(result)) in rows {
+            found.insert(
+                message_id,
+                FirstDelivery {
+                    processed_at,
+                    result,
+                },
+            );
+        }
+    }
+    Ok(found)
+}
+
+impl PostgresStore {
+    /// The insert-first claim of a batch whose keys are all filed in their own month
+    /// ([`CLAIM_BATCH_FAST_SQL`]): a fresh batch costs one statement, as a fresh single
+    /// message does. Keys whose rows exist are then looked up, in a statement of their
+    /// own whose snapshot sees those rows. `None` when another transaction held the lock
+    /// of some key: this transaction is rolled back, giving up every lock it tried, and
+    /// the caller claims the batch with blocking locks in key order instead — holding
+    /// some keys while waiting for others could deadlock with a batch doing the same.
+    async fn try_batch_insert(
+        &self,
+        keys: &[ClaimKey<'_>],
+        processed_at: DateTime<Utc>,
+    ) -> Result<Option<BatchClaim<Postgres>>, sqlx::Error> {
+        let Some(consumer_type) = keys.first().map(|key| key.consumer_type) else {
+            return Ok(None);
+        };
+        let mut tx = self
+            .pool
+            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .await?;
+        let ids: Vec<&str> = keys.iter().map(|key| key.message_id.as_str()).collect();
+        let buckets: Vec<NaiveDate> = keys.iter().map(|key| key.bucket.first_day()).collect();
+        let locks: Vec<i32> = keys.iter().map(key_lock).collect();
+        let missed: Vec<(String, bool)> = sqlx::query_as(CLAIM_BATCH_FAST_SQL)
+            .bind(LOCK_CLASS)
+            .bind(consumer_type.as_str())
+            .bind(&ids)
+            .bind(&buckets)
+            .bind(&locks)
+            .bind(processed_at)
+            .fetch_all(&mut *tx)
+            .await?;
+        if missed.iter().any(|(_, locked)| !locked) {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+        let written = |_: &ClaimKey<'_>| Claimed::Fresh { row_written: true };
+        if missed.is_empty() {
+            let claims = keys.iter().map(written).collect();
+            return Ok(Some((tx, claims)));
+        }
+        let missed: HashSet<String> = missed.into_iter().map(|(id, _)| id).collect();
+        let existing: Vec<ClaimKey<'_>> = keys
+            .iter()
+            .filter(|key| missed.contains(key.message_id.as_str()))
+            .copied()
+            .collect();
+        let mut found = lookup_batch(&mut tx, consumer_type, &existing).await?;
+        let claims = keys
+            .iter()
+            .map(|key| {
+                if !missed.contains(key.message_id.as_str()) {
+                    return written(key);
+                }
+                // Not inserted under its lock, so its row exists and is committed; one
+                // not found (it cannot be) is left to the insert after the handler, which
+                // then meets it and fails the batch.
+                match found.remove(key.message_id.as_str()) {
+                    Some(first) => Claimed::Duplicate(first),
+                    None => Claimed::Fresh { row_written: false },
+                }
+            })
+            .collect();
+        Ok(Some((tx, claims)))
+    }
+}
+
 impl InboxStore for PostgresStore {
     type Db = Postgres;
 
@@ -294,10 +429,17 @@ impl InboxStore for PostgresStore {
     async fn begin_batch_claim(
         &self,
         keys: &[ClaimKey<'_>],
+        write_rows_at: Option<DateTime<Utc>>,
     ) -> Result<BatchClaim<Postgres>, sqlx::Error> {
         let Some(consumer_type) = keys.first().map(|key| key.consumer_type) else {
             return Ok((self.pool.begin().await?, Vec::new()));
         };
+        if let Some(processed_at) = write_rows_at
+            && keys.iter().all(|key| !key.probe_all)
+            && let Some(claimed) = self.try_batch_insert(keys, processed_at).await?
+        {
+            return Ok(claimed);
+        }
         let mut tx = self
             .pool
             .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
@@ -315,52 +457,43 @@ impl InboxStore for PostgresStore {
             .bind(&locks)
             .execute(&mut *tx)
             .await?;
-
-        // One lookup per partition the batch names (usually one), one through the parent
-        // for the keys whose earlier deliveries may be in any partition.
-        let mut groups: Vec<(Option<Month>, Vec<&str>)> = Vec::new();
-        for key in keys {
-            let bucket = (!key.probe_all).then_some(key.bucket);
-            match groups.iter_mut().find(|(b, _)| *b == bucket) {
-                Some((_, ids)) => ids.push(key.message_id.as_str()),
-                None => groups.push((bucket, vec![key.message_id.as_str()])),
-            }
-        }
-        let mut found: std::collections::HashMap<String, FirstDelivery> =
-            std::collections::HashMap::new();
-        for (bucket, ids) in groups {
-            let sql = match bucket {
-                Some(month) => format!(
-                    "SELECT message_id, processed_at, result FROM {} \
-                     WHERE consumer_type = $1 AND message_id = ANY($2)",
-                    partition_name(month)
-                ),
-                None => "SELECT DISTINCT ON (message_id) message_id, processed_at, result \
-                         FROM sagabox_inbox WHERE consumer_type = $1 AND message_id = ANY($2) \
-                         ORDER BY message_id, processed_at"
-                    .to_owned(),
-            };
-            let rows: Vec<(String, DateTime<Utc>, Json<Value>)> =
-                sqlx::query_as(AssertSqlSafe(sql))
-                    .bind(consumer_type.as_str())
-                    .bind(&ids)
-                    .fetch_all(&mut *tx)
-                    .await?;
-            for (message_id, processed_at, Json(result)) in rows {
-                found.insert(
-                    message_id,
-                    FirstDelivery {
-                        processed_at,
-                        result,
-                    },
-                );
-            }
-        }
-        let firsts = keys
+        let mut found = lookup_batch(&mut tx, consumer_type, keys).await?;
+        let claims = keys
             .iter()
-            .map(|key| found.remove(key.message_id.as_str()))
+            .map(|key| match found.remove(key.message_id.as_str()) {
+                Some(first) => Claimed::Duplicate(first),
+                None => Claimed::Fresh { row_written: false },
+            })
             .collect();
-        Ok((tx, firsts))
+        Ok((tx, claims))
+    }
+
+    async fn record_batch_results(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        keys: &[ClaimKey<'_>],
+        results: &[&Value],
+    ) -> Result<u64, sqlx::Error> {
+        let Some(consumer_type) = keys.first().map(|key| key.consumer_type) else {
+            return Ok(0);
+        };
+        let ids: Vec<&str> = keys.iter().map(|key| key.message_id.as_str()).collect();
+        let buckets: Vec<NaiveDate> = keys.iter().map(|key| key.bucket.first_day()).collect();
+        let results: Vec<Json<&Value>> = results.iter().map(|result| Json(*result)).collect();
+        // The rows are this transaction's own inserts; the bucket in the join lets the
+        // planner prune to their partitions.
+        let done = sqlx::query(
+            "UPDATE sagabox_inbox i SET result = u.result \
+               FROM unnest($2::text[], $3::date[], $4::jsonb[]) AS u(message_id, bucket, result) \
+              WHERE i.consumer_type = $1 AND i.message_id = u.message_id AND i.bucket = u.bucket",
+        )
+        .bind(consumer_type.as_str())
+        .bind(&ids)
+        .bind(&buckets)
+        .bind(&results)
+        .execute(&mut **tx)
+        .await?;
+        Ok(done.rows_affected())
     }
 
     async fn record_batch(

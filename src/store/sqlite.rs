@@ -204,16 +204,44 @@ impl InboxStore for SqliteStore {
     async fn begin_batch_claim(
         &self,
         keys: &[ClaimKey<'_>],
+        _write_rows_at: Option<DateTime<Utc>>,
     ) -> Result<BatchClaim<Sqlite>, sqlx::Error> {
         // One write lock for the whole batch: no other claim runs until it commits, and
-        // the lookups are in-process calls, so one per key costs no round trip.
+        // the lookups are in-process calls, so one per key costs no round trip. Rows are
+        // written after the handler: writing them first saves no round trip here.
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let mut tables = None;
-        let mut firsts = Vec::with_capacity(keys.len());
+        let mut claims = Vec::with_capacity(keys.len());
         for key in keys {
-            firsts.push(lookup(&mut tx, key, &mut tables).await?);
+            claims.push(match lookup(&mut tx, key, &mut tables).await? {
+                Some(first) => Claimed::Duplicate(first),
+                None => Claimed::Fresh { row_written: false },
+            });
         }
-        Ok((tx, firsts))
+        Ok((tx, claims))
+    }
+
+    async fn record_batch_results(
+        &self,
+        tx: &mut Transaction<'static, Sqlite>,
+        keys: &[ClaimKey<'_>],
+        results: &[&Value],
+    ) -> Result<u64, sqlx::Error> {
+        let mut updated = 0;
+        for (key, result) in keys.iter().zip(results) {
+            let sql = format!(
+                "UPDATE {} SET result = $3 WHERE consumer_type = $1 AND message_id = $2",
+                table_name(key.bucket)
+            );
+            updated += sqlx::query(AssertSqlSafe(sql))
+                .bind(key.consumer_type.as_str())
+                .bind(key.message_id.as_str())
+                .bind(Json(*result))
+                .execute(&mut **tx)
+                .await?
+                .rows_affected();
+        }
+        Ok(updated)
     }
 
     async fn record_batch(
