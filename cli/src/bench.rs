@@ -14,6 +14,10 @@
 //! - `batched`: [`InboxGuard::process_batch`] over batches of `--batch` messages, one
 //!   transaction per batch (a message's latency is its batch's), the business statements
 //!   per message;
+//! - `raw_batch_set`: `batched_set`'s baseline, by hand: per batch one `INSERT … SELECT
+//!   FROM unnest … ON CONFLICT DO NOTHING RETURNING message_id` into the unpartitioned
+//!   inbox, then the set-based business statements for the ids it returned (per message
+//!   on SQLite);
 //! - `batched_set`: [`InboxGuard::process_batch_set`], the same batches with the
 //!   business statements set-based (one `UPDATE … FROM unnest`, one `INSERT … SELECT
 //!   FROM unnest` per batch on PostgreSQL; per message on SQLite, where a statement is
@@ -110,6 +114,9 @@ pub(crate) enum Mode {
     Actor,
     /// The guard over batches of `--batch` messages, business statements per message.
     Batched,
+    /// `batched_set` by hand: one `INSERT … ON CONFLICT … RETURNING` per batch, then the
+    /// set-based business statements for the fresh ones.
+    RawBatchSet,
     /// The same batches with set-based business statements.
     BatchedSet,
     /// The `batched_set` batches' business statements alone, no inbox: its ceiling.
@@ -130,6 +137,7 @@ impl Mode {
             Mode::Guard => "guard",
             Mode::Actor => "actor",
             Mode::Batched => "batched",
+            Mode::RawBatchSet => "raw_batch_set",
             Mode::BatchedSet => "batched_set",
             Mode::SetNoInbox => "set_no_inbox",
             Mode::NoInbox => "no_inbox",
@@ -297,7 +305,7 @@ fn percentile(sorted: &[Duration], p: f64) -> u64 {
 }
 
 macro_rules! backend_runner {
-    ($name:ident, $business:ident, $business_set:ident, $step:ident, $store:ty, $db:ty) => {
+    ($name:ident, $business:ident, $business_set:ident, $raw_batch:ident, $step:ident, $store:ty, $db:ty) => {
         /// The business statements every mode runs, in the caller's transaction.
         async fn $business(
             conn: &mut <$db as sqlx::Database>::Connection,
@@ -387,12 +395,14 @@ macro_rules! backend_runner {
                 } else {
                     None
                 };
-                let unit_size =
-                    if matches!(mode, Mode::Batched | Mode::BatchedSet | Mode::SetNoInbox) {
-                        batch
-                    } else {
-                        1
-                    };
+                let unit_size = if matches!(
+                    mode,
+                    Mode::Batched | Mode::RawBatchSet | Mode::BatchedSet | Mode::SetNoInbox
+                ) {
+                    batch
+                } else {
+                    1
+                };
                 let op = {
                     let (pool, guard, consumer, steps) =
                         (pool.clone(), guard.clone(), consumer.clone(), steps.clone());
@@ -471,6 +481,24 @@ macro_rules! backend_runner {
                                     }
                                     tx.commit().await?;
                                     envelopes.len()
+                                }
+                                Mode::RawBatchSet => {
+                                    let mut chunk: Vec<&(Envelope, i64)> =
+                                        messages[start..end].iter().collect();
+                                    chunk.sort_by_key(|(_, account)| *account);
+                                    let envelopes: Vec<&Envelope> =
+                                        chunk.into_iter().map(|(envelope, _)| envelope).collect();
+                                    let mut tx = pool.begin().await?;
+                                    let fresh = $raw_batch(
+                                        &mut tx,
+                                        &consumer,
+                                        &envelopes,
+                                        claim_only,
+                                        with_result,
+                                    )
+                                    .await?;
+                                    tx.commit().await?;
+                                    fresh
                                 }
                                 Mode::BatchedSet => {
                                     let mut chunk: Vec<&(Envelope, i64)> =
@@ -640,6 +668,96 @@ async fn business_set_pg(
     Ok(())
 }
 
+/// `raw_batch_set` on PostgreSQL, the hand-written batched inbox: claim the batch's ids
+/// in one statement, apply the fresh ones set-based, store their results (with
+/// `--with-result`) in one more. Returns how many were fresh.
+async fn raw_batch_pg(
+    conn: &mut sqlx::PgConnection,
+    consumer: &ConsumerType,
+    envelopes: &[&Envelope],
+    claim_only: bool,
+    with_result: bool,
+) -> Result<usize, sqlx::Error> {
+    let ids: Vec<&str> = envelopes.iter().map(|e| e.id.as_str()).collect();
+    let inserted: Vec<String> = sqlx::query_scalar(
+        "INSERT INTO bench_raw_inbox (consumer_type, message_id, processed_at) \
+         SELECT $1, u.id, $3 FROM unnest($2::text[]) AS u(id) \
+         ON CONFLICT DO NOTHING RETURNING message_id",
+    )
+    .bind(consumer.as_str())
+    .bind(&ids)
+    .bind(chrono::Utc::now())
+    .fetch_all(&mut *conn)
+    .await?;
+    // A repeat inside the batch was inserted once: only its first copy is fresh.
+    let mut inserted: std::collections::HashSet<String> = inserted.into_iter().collect();
+    let fresh: Vec<&Envelope> = envelopes
+        .iter()
+        .copied()
+        .filter(|e| inserted.remove(e.id.as_str()))
+        .collect();
+    if !claim_only && !fresh.is_empty() {
+        business_set_pg(conn, &fresh).await?;
+    }
+    if with_result && !fresh.is_empty() {
+        let ids: Vec<&str> = fresh.iter().map(|e| e.id.as_str()).collect();
+        let results: Vec<sqlx::types::Json<serde_json::Value>> = fresh
+            .iter()
+            .map(|e| sqlx::types::Json(handler_result(true, account_of(e))))
+            .collect();
+        sqlx::query(
+            "UPDATE bench_raw_inbox i SET result = u.result \
+               FROM unnest($2::text[], $3::jsonb[]) AS u(message_id, result) \
+              WHERE i.consumer_type = $1 AND i.message_id = u.message_id",
+        )
+        .bind(consumer.as_str())
+        .bind(&ids)
+        .bind(&results)
+        .execute(&mut *conn)
+        .await?;
+    }
+    Ok(fresh.len())
+}
+
+/// `raw_batch_set` on SQLite, where a statement is an in-process call: the raw claim
+/// and the business statements per message, in the batch's one transaction.
+async fn raw_batch_lite(
+    conn: &mut sqlx::SqliteConnection,
+    consumer: &ConsumerType,
+    envelopes: &[&Envelope],
+    claim_only: bool,
+    with_result: bool,
+) -> Result<usize, sqlx::Error> {
+    let mut fresh = 0;
+    for envelope in envelopes {
+        let claimed = sqlx::query(RAW_CLAIM)
+            .bind(consumer.as_str())
+            .bind(envelope.id.as_str())
+            .bind(chrono::Utc::now())
+            .execute(&mut *conn)
+            .await?
+            .rows_affected()
+            == 1;
+        if !claimed {
+            continue;
+        }
+        fresh += 1;
+        let account = account_of(envelope);
+        if !claim_only {
+            business_lite(conn, envelope, account).await?;
+        }
+        if with_result {
+            sqlx::query(RAW_RESULT)
+                .bind(consumer.as_str())
+                .bind(envelope.id.as_str())
+                .bind(sqlx::types::Json(handler_result(true, account)))
+                .execute(&mut *conn)
+                .await?;
+        }
+    }
+    Ok(fresh)
+}
+
 /// On SQLite a statement is an in-process call: the same statements per message.
 async fn business_set_lite(
     conn: &mut sqlx::SqliteConnection,
@@ -660,6 +778,7 @@ backend_runner!(
     run_postgres,
     business_pg,
     business_set_pg,
+    raw_batch_pg,
     PgStep,
     PostgresStore,
     sqlx::Postgres
@@ -668,6 +787,7 @@ backend_runner!(
     run_sqlite,
     business_lite,
     business_set_lite,
+    raw_batch_lite,
     LiteStep,
     SqliteStore,
     sqlx::Sqlite
@@ -843,13 +963,13 @@ impl std::fmt::Display for BenchReport {
         }
         writeln!(
             f,
-            "{:<10} {:>9} {:>9} {:>11} {:>9} {:>9} {:>8} {:>12}",
+            "{:<13} {:>9} {:>9} {:>11} {:>9} {:>9} {:>8} {:>12}",
             "mode", "messages", "applied", "msgs/s", "p50 µs", "p99 µs", "× raw", "RSS MiB"
         )?;
         for m in &self.modes {
             writeln!(
                 f,
-                "{:<10} {:>9} {:>9} {:>11.0} {:>9} {:>9} {:>8.2} {:>5.0} → {:<4.0}",
+                "{:<13} {:>9} {:>9} {:>11.0} {:>9} {:>9} {:>8.2} {:>5.0} → {:<4.0}",
                 m.mode,
                 m.messages,
                 m.applied,

@@ -137,6 +137,7 @@ fn check_bench_json(text: &str, messages: u64) {
             "guard",
             "actor",
             "batched",
+            "raw_batch_set",
             "batched_set",
             "set_no_inbox",
             "no_inbox"
@@ -168,14 +169,14 @@ async fn bench_reports_every_mode_on_postgres_and_dedups_repeats() {
     check_bench_json(&out, 300);
     let report: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     let applied = |i: usize| report["modes"][i]["applied"].as_u64().unwrap();
-    // The same repeated ids: the raw baseline, the guard, the step pool and both batched
+    // The same repeated ids: both raw baselines, the guard, the step pool and both batched
     // modes apply each once; without an inbox (both ceilings) every repeat is applied again.
-    for deduplicating in 1..=4 {
+    for deduplicating in 1..=5 {
         assert_eq!(applied(0), applied(deduplicating), "mode {deduplicating}");
     }
     assert!(applied(1) < 300, "repeats were deduplicated");
-    assert_eq!(applied(5), 300, "set_no_inbox applies every repeat");
-    assert_eq!(applied(6), 300, "no_inbox applies every repeat");
+    assert_eq!(applied(6), 300, "set_no_inbox applies every repeat");
+    assert_eq!(applied(7), 300, "no_inbox applies every repeat");
     // The scratch schema is gone afterwards.
     let left = db
         .scalar("SELECT COUNT(*) FROM pg_namespace WHERE nspname LIKE 'sagabox_bench_%'")
@@ -277,6 +278,7 @@ fn bench_help_and_the_unknown_mode_error_list_the_same_modes() {
             "guard",
             "actor",
             "batched",
+            "raw_batch_set",
             "batched_set",
             "set_no_inbox",
             "no_inbox"

@@ -229,17 +229,21 @@ async fn once_locked<'q>(
 ///
 /// The `MATERIALIZED` CTE tries each lock exactly once. Every writer of a key's row holds
 /// the key's lock, so an insert under the lock never waits for another transaction: the
-/// statement cannot block, nor deadlock with anything.
-const CLAIM_BATCH_FAST_SQL: &str = "\
-    WITH k AS MATERIALIZED ( \
-        SELECT u.message_id, u.bucket, pg_try_advisory_xact_lock($1, u.lock) AS locked \
-          FROM unnest($3::text[], $4::date[], $5::int4[]) AS u(message_id, bucket, lock)), \
-    ins AS ( \
-        INSERT INTO sagabox_inbox (consumer_type, message_id, bucket, processed_at, result) \
-        SELECT $2, k.message_id, k.bucket, $6, 'null'::jsonb FROM k WHERE k.locked \
-        ON CONFLICT DO NOTHING RETURNING message_id) \
-    SELECT k.message_id, k.locked FROM k \
-     WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.message_id = k.message_id)";
+/// statement cannot block, nor deadlock with anything. `target` is the month's partition
+/// when every key is filed in it, else the parent.
+fn claim_batch_fast_sql(target: &str) -> String {
+    format!(
+        "WITH k AS MATERIALIZED ( \
+             SELECT u.message_id, u.bucket, pg_try_advisory_xact_lock($1, u.lock) AS locked \
+               FROM unnest($3::text[], $4::date[], $5::int4[]) AS u(message_id, bucket, lock)), \
+         ins AS ( \
+             INSERT INTO {target} (consumer_type, message_id, bucket, processed_at, result) \
+             SELECT $2, k.message_id, k.bucket, $6, 'null'::jsonb FROM k WHERE k.locked \
+             ON CONFLICT DO NOTHING RETURNING message_id) \
+         SELECT k.message_id, k.locked FROM k \
+          WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.message_id = k.message_id)"
+    )
+}
 
 /// The first deliveries of `keys` recorded so far, by message id: one lookup per
 /// partition the keys name (usually one), one through the parent for the keys whose
@@ -290,7 +294,7 @@ async fn lookup_batch(
 
 impl PostgresStore {
     /// The insert-first claim of a batch whose keys are all filed in their own month
-    /// ([`CLAIM_BATCH_FAST_SQL`]): a fresh batch costs one statement, as a fresh single
+    /// ([`claim_batch_fast_sql`]): a fresh batch costs one statement, as a fresh single
     /// message does. Keys whose rows exist are then looked up, in a statement of their
     /// own whose snapshot sees those rows. `None` when another transaction held the lock
     /// of some key: this transaction is rolled back, giving up every lock it tried, and
@@ -311,15 +315,24 @@ impl PostgresStore {
         let ids: Vec<&str> = keys.iter().map(|key| key.message_id.as_str()).collect();
         let buckets: Vec<NaiveDate> = keys.iter().map(|key| key.bucket.first_day()).collect();
         let locks: Vec<i32> = keys.iter().map(key_lock).collect();
-        let missed: Vec<(String, bool)> = sqlx::query_as(CLAIM_BATCH_FAST_SQL)
-            .bind(LOCK_CLASS)
-            .bind(consumer_type.as_str())
-            .bind(&ids)
-            .bind(&buckets)
-            .bind(&locks)
-            .bind(processed_at)
-            .fetch_all(&mut *tx)
-            .await?;
+        // Straight into the month's partition when the batch has one (as a rule): no
+        // tuple routing per row.
+        let bucket = keys[0].bucket;
+        let target = if keys.iter().all(|key| key.bucket == bucket) {
+            partition_name(bucket)
+        } else {
+            "sagabox_inbox".to_owned()
+        };
+        let missed: Vec<(String, bool)> =
+            sqlx::query_as(AssertSqlSafe(claim_batch_fast_sql(&target)))
+                .bind(LOCK_CLASS)
+                .bind(consumer_type.as_str())
+                .bind(&ids)
+                .bind(&buckets)
+                .bind(&locks)
+                .bind(processed_at)
+                .fetch_all(&mut *tx)
+                .await?;
         if missed.iter().any(|(_, locked)| !locked) {
             tx.rollback().await?;
             return Ok(None);
