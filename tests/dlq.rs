@@ -288,7 +288,7 @@ async fn an_unreachable_broker_is_named_without_its_password() {
         .await
         .unwrap_err();
     assert!(
-        matches!(error, DlqError::Amqp(AmqpError::Connect { .. })),
+        matches!(error, DlqError::Amqp(AmqpError::Unreachable { .. })),
         "{error:?}"
     );
     let text = error.to_string();

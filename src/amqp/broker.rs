@@ -16,6 +16,7 @@ use crate::envelope::{ConsumerType, Envelope};
 pub async fn connect(config: &AmqpConfig, role: &str) -> Result<Connection, AmqpError> {
     let properties = ConnectionProperties::default()
         .with_connection_name(format!("{}/{role}", config.queue_prefix).into());
+    probe(config).await?;
     match tokio::time::timeout(
         CONNECT_TIMEOUT,
         Connection::connect(&config.url, properties),
@@ -35,6 +36,29 @@ pub async fn connect(config: &AmqpConfig, role: &str) -> Result<Connection, Amqp
 
 /// How long opening a connection (TCP and the AMQP handshake) may take.
 const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Opens and drops a TCP connection to the broker's host and port, so a broker that is
+/// down is reported at once as refused. lapin's own connect can miss a refusal that comes
+/// before it has queued the protocol header (its I/O thread reports the error to nobody)
+/// and then waits for a handshake that never comes, until [`CONNECT_TIMEOUT`]. A URL
+/// that does not parse is left to lapin, which names what is wrong with it.
+async fn probe(config: &AmqpConfig) -> Result<(), AmqpError> {
+    let Ok(uri) = config.url.parse::<lapin::uri::AMQPUri>() else {
+        return Ok(());
+    };
+    let address = (uri.authority.host.as_str(), uri.authority.port);
+    match tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(address)).await {
+        Ok(Ok(_stream)) => Ok(()),
+        Ok(Err(source)) => Err(AmqpError::Unreachable {
+            url: redact(&config.url),
+            source,
+        }),
+        Err(_) => Err(AmqpError::ConnectTimeout {
+            url: redact(&config.url),
+            after: CONNECT_TIMEOUT,
+        }),
+    }
+}
 
 /// Declares `consumer_type`'s queue and its dead-letter queue, both durable. The main
 /// queue dead-letters into the dead queue, so a message rejected without requeue by any

@@ -244,6 +244,16 @@ pub enum AmqpError {
         /// The cause.
         source: lapin::Error,
     },
+    /// Nothing accepted a TCP connection at the broker's host and port.
+    #[error(
+        "cannot connect to RabbitMQ at {url}: {source}; is it running and are the host and port right?"
+    )]
+    Unreachable {
+        /// The URL, password redacted.
+        url: String,
+        /// The cause.
+        source: std::io::Error,
+    },
     /// The broker did not complete the connection in time.
     #[error("RabbitMQ at {url} did not accept the connection within {after:?}")]
     ConnectTimeout {
