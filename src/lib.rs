@@ -115,6 +115,7 @@
 //! | `postgres` | yes | [`PostgresStore`]: the production inbox, partitioned by month |
 //! | `sqlite` | yes | [`SqliteStore`]: the embedded inbox, one table per month (bundled SQLite) |
 //! | `rabbitmq` | yes | the RabbitMQ transport (lapin): consumer, outbox relay, broker dispatch |
+//! | `nats` | no | the NATS JetStream transport (async-nats): pull consumers, outbox relay, dispatch; the `sagabox` command turns it on |
 //! | `prometheus` | yes | [`metrics::install_prometheus`] and `--metrics-addr`: Prometheus text over HTTP |
 //! | `otel` | no | [`trace`] reads and writes span contexts through `tracing-opentelemetry` (the OpenTelemetry API only; the application installs the SDK and the exporter) |
 //!

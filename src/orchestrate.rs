@@ -52,7 +52,7 @@ pub struct OrchestrateConfig {
     pub definitions: Vec<SagaDefinition>,
     /// The broker and its queue or subject settings (an
     /// [`AmqpConfig`](crate::amqp::AmqpConfig) or a
-    /// [`NatsConfig`](crate::nats::NatsConfig), `.into()`).
+    /// `nats::NatsConfig` (feature `nats`), `.into()`).
     pub transport: Transport,
     /// How often each orchestrator looks for unfinished sagas to resume.
     pub resume_interval: Duration,

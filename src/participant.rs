@@ -310,7 +310,7 @@ struct Checked {
 impl<S: InboxStore + Clone> Participant<S> {
     /// A participant on `store` (the inbox, the handlers' tables and the outbox live in
     /// its database) and the broker in `transport` (an
-    /// [`AmqpConfig`](crate::amqp::AmqpConfig), a [`NatsConfig`](crate::nats::NatsConfig)
+    /// [`AmqpConfig`](crate::amqp::AmqpConfig), a `nats::NatsConfig` (feature `nats`)
     /// or [`Transport::from_url`]: its URL, prefix, prefetch).
     pub fn new(store: S, transport: impl Into<Transport>) -> Self {
         Self {

@@ -158,7 +158,7 @@ impl Transport {
     /// Delivers one message at most `deliveries` times before it is dead-lettered
     /// (`retries_exhausted`): RabbitMQ's [`AmqpConfig::max_redeliveries`] (a quorum
     /// queue's `x-delivery-limit` is one less), JetStream's
-    /// [`NatsConfig::max_deliver`]. On RabbitMQ quorum queues the limit is a queue
+    /// `NatsConfig::max_deliver`. On RabbitMQ quorum queues the limit is a queue
     /// argument: every process that declares a queue must use the same number, and
     /// changing it for an existing queue means deleting the queue (or setting a
     /// `delivery-limit` policy instead).
