@@ -16,25 +16,27 @@ use crate::envelope::{ConsumerType, Envelope};
 pub async fn connect(config: &AmqpConfig, role: &str) -> Result<Connection, AmqpError> {
     let properties = ConnectionProperties::default()
         .with_connection_name(format!("{}/{role}", config.queue_prefix).into());
-    probe(config).await?;
-    match tokio::time::timeout(
-        CONNECT_TIMEOUT,
-        Connection::connect(&config.url, properties),
-    )
-    .await
-    {
-        Ok(connected) => connected.map_err(|source| AmqpError::Connect {
-            url: redact(&config.url),
-            source,
-        }),
-        Err(_) => Err(AmqpError::ConnectTimeout {
-            url: redact(&config.url),
-            after: CONNECT_TIMEOUT,
-        }),
-    }
+    let opening = async {
+        probe(config).await?;
+        Connection::connect(&config.url, properties)
+            .await
+            .map_err(|source| AmqpError::Connect {
+                url: redact(&config.url),
+                source,
+            })
+    };
+    tokio::time::timeout(CONNECT_TIMEOUT, opening)
+        .await
+        .unwrap_or_else(|_| {
+            Err(AmqpError::ConnectTimeout {
+                url: redact(&config.url),
+                after: CONNECT_TIMEOUT,
+            })
+        })
 }
 
-/// How long opening a connection (TCP and the AMQP handshake) may take.
+/// How long opening a connection (the TCP probe, then lapin's TCP connection and the AMQP
+/// handshake) may take.
 const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Opens and drops a TCP connection to the broker's host and port, so a broker that is
@@ -46,18 +48,13 @@ async fn probe(config: &AmqpConfig) -> Result<(), AmqpError> {
     let Ok(uri) = config.url.parse::<lapin::uri::AMQPUri>() else {
         return Ok(());
     };
-    let address = (uri.authority.host.as_str(), uri.authority.port);
-    match tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(address)).await {
-        Ok(Ok(_stream)) => Ok(()),
-        Ok(Err(source)) => Err(AmqpError::Unreachable {
+    tokio::net::TcpStream::connect((uri.authority.host.as_str(), uri.authority.port))
+        .await
+        .map(drop)
+        .map_err(|source| AmqpError::Unreachable {
             url: redact(&config.url),
             source,
-        }),
-        Err(_) => Err(AmqpError::ConnectTimeout {
-            url: redact(&config.url),
-            after: CONNECT_TIMEOUT,
-        }),
-    }
+        })
 }
 
 /// Declares `consumer_type`'s queue and its dead-letter queue, both durable. The main
