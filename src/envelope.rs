@@ -256,6 +256,19 @@ impl Envelope {
         })
     }
 
+    /// A copy of everything but the payload: what a reply is built from, without the
+    /// cost of copying a command's body.
+    pub(crate) fn without_payload(&self) -> Envelope {
+        Envelope {
+            id: self.id.clone(),
+            kind: self.kind.clone(),
+            saga_id: self.saga_id.clone(),
+            payload: serde_json::Value::Null,
+            published_at: self.published_at,
+            headers: self.headers.clone(),
+        }
+    }
+
     /// Sets the saga this message belongs to.
     pub fn with_saga_id(mut self, saga_id: impl Into<String>) -> Self {
         self.saga_id = Some(saga_id.into());

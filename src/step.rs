@@ -246,13 +246,15 @@ fn step_span(consumer_type: &ConsumerType, envelope: &Envelope) -> tracing::Span
 impl<S: InboxStore, H: StepHandler<S::Db>> StepWorker<S, H> {
     async fn run(&self, envelope: &Envelope) -> Result<StepReply, StepFailure> {
         let handler = &self.handler;
-        let processed = self
-            .guard
-            .process(&self.consumer_type, envelope, async |conn, envelope| {
-                record_of::<S::Db, H>(handler, conn, envelope).await
-            })
-            .instrument(step_span(&self.consumer_type, envelope))
-            .await;
+        // Boxed: the guarded transaction's future runs to kilobytes, and the worker's
+        // own future would otherwise carry (and move) it with every command.
+        let processed = Box::pin(self.guard.process(
+            &self.consumer_type,
+            envelope,
+            async |conn, envelope| record_of::<S::Db, H>(handler, conn, envelope).await,
+        ))
+        .instrument(step_span(&self.consumer_type, envelope))
+        .await;
         match processed {
             Ok(outcome) => Ok(reply_of(outcome)),
             Err(GuardError::Handler(reason)) => Err(StepFailure::Retryable(reason)),

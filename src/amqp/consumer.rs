@@ -234,6 +234,15 @@ impl<H: DeliveryHandler> Session<H> {
             .await
             .map_err(AmqpError::broker("start consuming"))?;
         tracing::info!(%queue, prefetch = self.config.prefetch, "consuming");
+        // What every delivery's task needs, shared: one reference count per delivery.
+        let work = Arc::new(Work {
+            config: Arc::clone(&self.config),
+            options: Arc::clone(&self.options),
+            handler: Arc::clone(&self.handler),
+            stats: Arc::clone(&self.stats),
+            publisher,
+            queue: queue.clone(),
+        });
         let mut in_flight = JoinSet::new();
         // A subscription whose connection died without its stream ending would sit
         // idle forever: the connection's state is checked every second too.
@@ -255,15 +264,7 @@ impl<H: DeliveryHandler> Session<H> {
                 }
                 next = deliveries.next() => match next {
                     Some(Ok(delivery)) => {
-                        let work = Work {
-                            config: Arc::clone(&self.config),
-                            options: Arc::clone(&self.options),
-                            handler: Arc::clone(&self.handler),
-                            stats: Arc::clone(&self.stats),
-                            publisher: publisher.clone(),
-                            queue: queue.clone(),
-                        };
-                        in_flight.spawn(work.settle(delivery));
+                        in_flight.spawn(Arc::clone(&work).settle(delivery));
                     }
                     Some(Err(source)) => break Err(AmqpError::Broker { operation: "consume", source }),
                     None => break Err(AmqpError::Config(format!(
@@ -331,7 +332,7 @@ async fn declare_source(
     }
 }
 
-/// Settling one delivery.
+/// Settling deliveries: what each delivery's task shares with the others of its session.
 struct Work<H> {
     config: Arc<AmqpConfig>,
     options: Arc<ConsumerOptions>,
@@ -342,7 +343,7 @@ struct Work<H> {
 }
 
 impl<H: DeliveryHandler> Work<H> {
-    async fn settle(self, delivery: Delivery) {
+    async fn settle(self: Arc<Self>, delivery: Delivery) {
         let settled = match codec::decode(&delivery.properties, &delivery.data, &self.options.kinds)
         {
             Err(malformed) => {
@@ -373,8 +374,10 @@ impl<H: DeliveryHandler> Work<H> {
     async fn handle(&self, delivery: &Delivery, envelope: Envelope) -> Result<(), AmqpError> {
         let id = envelope.id.clone();
         // A handler that panics must still settle its delivery: left unacked, it
-        // would hold one of the prefetch's slots until the connection closed.
-        let disposition = AssertUnwindSafe(self.handler.handle(envelope))
+        // would hold one of the prefetch's slots until the connection closed. Boxed: a
+        // handler's future (a guarded transaction's) runs to kilobytes, and this keeps
+        // it from being copied with every future that wraps it.
+        let disposition = AssertUnwindSafe(Box::pin(self.handler.handle(envelope)))
             .catch_unwind()
             .await
             .unwrap_or_else(|panic| {

@@ -321,8 +321,10 @@ impl<H: DeliveryHandler> Shared<H> {
     ) -> Result<(), NatsError> {
         let id = envelope.id.clone();
         // A handler that panics must still settle its message: left unacked, it would
-        // hold one of max_ack_pending's slots until ack_wait.
-        let disposition = AssertUnwindSafe(self.handler.handle(envelope))
+        // hold one of max_ack_pending's slots until ack_wait. Boxed: a handler's future
+        // (a guarded transaction's) runs to kilobytes, and this keeps it from being
+        // copied with every future that wraps it.
+        let disposition = AssertUnwindSafe(Box::pin(self.handler.handle(envelope)))
             .catch_unwind()
             .await
             .unwrap_or_else(|panic| {

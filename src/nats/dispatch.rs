@@ -71,9 +71,11 @@ pub async fn serve_step(
     Consumer::spawn(config, options, move |command: Envelope| {
         let pool = Arc::clone(&pool);
         async move {
-            match pool.deliver(command.clone(), timeout).await {
+            // The reply needs the command's id, saga and headers, not its payload.
+            let head = command.without_payload();
+            match pool.deliver(command, timeout).await {
                 Ok(reply) => Disposition::Done {
-                    reply: Some(reply_envelope(&command, &reply)),
+                    reply: Some(reply_envelope(&head, &reply)),
                 },
                 Err(StepFailure::Rejected(reason)) => Disposition::Reject(reason),
                 Err(failure) => Disposition::Retry(failure.to_string()),
