@@ -5,6 +5,9 @@
 //!   `INSERT … ON CONFLICT DO NOTHING` into an inbox table, the business statements if
 //!   the insert was fresh, `COMMIT`, then the ack — on `--workers` tasks under the same
 //!   prefetch;
+//! - `consumer`: sagabox's RabbitMQ [`Consumer`] with [`InboxGuard::process`] called in
+//!   each delivery's task, no step pool: what the guard and the consumer cost without
+//!   the actor hop;
 //! - `sagabox`: the [`Participant`] runtime with a step handler running the same business
 //!   statements, `--workers` workers.
 //!
@@ -13,7 +16,8 @@
 //! fast as the consumer goes: messages/s), then `--paced` more published at `--rate` per
 //! second while it runs (latency from publish to the business write, read from the
 //! database: p50, p99). A share `--duplicate-rate` of each phase repeats an earlier
-//! message id. Afterwards every message id must have been applied exactly once.
+//! message id. Afterwards every message id must have been applied exactly once. The
+//! bench process's own CPU time per backlog message is reported beside (Linux `/proc`).
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -26,10 +30,13 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use sagabox::amqp::{AmqpConfig, Publisher, Routing};
+use sagabox::amqp::{AmqpConfig, Consumer, ConsumerOptions, Publisher, Routing};
+use sagabox::delivery::Disposition;
 use sagabox::step::{StepError, StepHandler};
 use sagabox::transport::Transport;
-use sagabox::{ConsumerType, Envelope, InboxConfig, MessageId, Participant, PostgresStore};
+use sagabox::{
+    ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId, Participant, PostgresStore,
+};
 use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
@@ -102,6 +109,8 @@ pub(crate) struct BrokerModeReport {
     msgs_per_sec: f64,
     /// Against the hand-written consumer's messages/s.
     vs_handwritten: f64,
+    /// This process's CPU time (user + system) per backlog delivery, in µs.
+    client_cpu_us: f64,
     /// Publish to business write, paced phase, in µs.
     p50_us: u64,
     p99_us: u64,
@@ -136,17 +145,18 @@ impl std::fmt::Display for BrokerBenchReport {
         )?;
         writeln!(
             f,
-            "{:<12}{:>9}{:>11}{:>8}{:>10}{:>10}{:>9}  exactly once",
-            "mode", "backlog", "msgs/s", "× hand", "p50 µs", "p99 µs", "applied"
+            "{:<12}{:>9}{:>11}{:>8}{:>12}{:>10}{:>10}{:>9}  exactly once",
+            "mode", "backlog", "msgs/s", "× hand", "cpu µs/msg", "p50 µs", "p99 µs", "applied"
         )?;
         for mode in &self.modes {
             writeln!(
                 f,
-                "{:<12}{:>9}{:>11.0}{:>8.2}{:>10}{:>10}{:>9}  {}",
+                "{:<12}{:>9}{:>11.0}{:>8.2}{:>12.0}{:>10}{:>10}{:>9}  {}",
                 mode.mode,
                 mode.backlog,
                 mode.msgs_per_sec,
                 mode.vs_handwritten,
+                mode.client_cpu_us,
                 mode.p50_us,
                 mode.p99_us,
                 mode.applied,
@@ -166,6 +176,13 @@ CREATE TABLE bench_effects (mode TEXT NOT NULL, message_id TEXT NOT NULL,
 CREATE TABLE bench_raw_inbox (message_id TEXT PRIMARY KEY, processed_at TIMESTAMPTZ NOT NULL);
 ";
 const ACCOUNTS: i64 = 1000;
+/// The consumers, in the order they run: the mode each writes its effects as, and its
+/// consumer type (which names its queue).
+const MODES: [(&str, &str); 3] = [
+    ("handwritten", "bench-handwritten"),
+    ("consumer", "bench-consumer"),
+    ("sagabox", "bench-sagabox"),
+];
 const BUSINESS_UPDATE: &str = "UPDATE bench_accounts SET balance = balance + 1 WHERE id = $1";
 const EFFECT_INSERT: &str =
     "INSERT INTO bench_effects (mode, message_id, sent_at, paced) VALUES ($1, $2, $3, $4)";
@@ -211,8 +228,24 @@ async fn business(
     Ok(())
 }
 
-/// The `sagabox` mode's step.
-struct Deposit;
+/// The business statements as a step: what the `consumer` and `sagabox` modes run
+/// behind the inbox, writing their effects as the mode it names.
+struct Deposit(&'static str);
+
+impl Deposit {
+    async fn apply(
+        &self,
+        conn: &mut PgConnection,
+        envelope: &Envelope,
+    ) -> Result<serde_json::Value, StepError> {
+        let fields = fields(&envelope.payload)
+            .ok_or_else(|| StepError::Permanent("payload lacks account, sent_us, paced".into()))?;
+        business(conn, self.0, envelope.id.as_str(), &fields)
+            .await
+            .map_err(|error| StepError::Retryable(error.to_string()))?;
+        Ok(serde_json::Value::Null)
+    }
+}
 
 impl StepHandler<sqlx::Postgres> for Deposit {
     async fn handle(
@@ -220,12 +253,7 @@ impl StepHandler<sqlx::Postgres> for Deposit {
         conn: &mut PgConnection,
         envelope: &Envelope,
     ) -> Result<serde_json::Value, StepError> {
-        let fields = fields(&envelope.payload)
-            .ok_or_else(|| StepError::Permanent("payload lacks account, sent_us, paced".into()))?;
-        business(conn, "sagabox", envelope.id.as_str(), &fields)
-            .await
-            .map_err(|error| StepError::Retryable(error.to_string()))?;
-        Ok(serde_json::Value::Null)
+        self.apply(conn, envelope).await
     }
 }
 
@@ -394,6 +422,56 @@ impl Handwritten {
     }
 }
 
+/// The `consumer` mode: sagabox's consumer calling the guard itself.
+struct Direct {
+    handle: sagabox::amqp::ConsumerHandle,
+}
+
+impl Running for Direct {
+    fn acked(&self) -> u64 {
+        self.handle.stats().acked.load(Ordering::Relaxed)
+    }
+
+    async fn failure(&mut self) -> Option<BoxError> {
+        self.handle
+            .is_finished()
+            .then(|| "the consumer ended".into())
+    }
+}
+
+impl Direct {
+    async fn start(
+        config: &AmqpConfig,
+        guard: InboxGuard<PostgresStore>,
+        consumer_type: ConsumerType,
+        workers: usize,
+    ) -> Result<Self, BoxError> {
+        let options = ConsumerOptions::new(consumer_type.clone(), ["deposit"]);
+        // As many deliveries in the guard at once as the other modes have workers.
+        let workers = Arc::new(Semaphore::new(workers));
+        let handle = Consumer::spawn(config.clone(), options, move |envelope: Envelope| {
+            let (guard, consumer_type) = (guard.clone(), consumer_type.clone());
+            let workers = workers.clone();
+            async move {
+                let Ok(_permit) = workers.acquire().await else {
+                    return Disposition::Retry("the bench is stopping".into());
+                };
+                let processed = guard
+                    .process(&consumer_type, &envelope, async |conn, envelope| {
+                        Deposit(MODES[1].0).apply(conn, envelope).await
+                    })
+                    .await;
+                match processed {
+                    Ok(_) => Disposition::Done { reply: None },
+                    Err(error) => Disposition::Retry(error.to_string()),
+                }
+            }
+        })
+        .await?;
+        Ok(Self { handle })
+    }
+}
+
 /// The `sagabox` mode's participant.
 struct Runtime {
     handle: sagabox::participant::ParticipantHandle,
@@ -403,9 +481,37 @@ impl Running for Runtime {
     fn acked(&self) -> u64 {
         self.handle
             .report()
-            .step("bench-sagabox")
+            .step(MODES[2].1)
             .map_or(0, |step| step.acked)
     }
+}
+
+/// CPU time this process has used, user and system (Linux `/proc`; zero elsewhere).
+fn process_cpu() -> Duration {
+    // Fields 14 and 15 of /proc/self/stat, in clock ticks of 1/100 s (USER_HZ); the
+    // command name before them is in parentheses and may hold spaces.
+    let ticks = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|stat| {
+            let fields: Vec<u64> = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .skip(11)
+                .take(2)
+                .map(str::parse)
+                .collect::<Result<_, _>>()
+                .ok()?;
+            Some(fields.iter().sum::<u64>())
+        })
+        .unwrap_or(0);
+    Duration::from_millis(ticks * 10)
+}
+
+/// One consumer's drain: messages/s and the client's CPU µs per message.
+struct Drain {
+    msgs_per_sec: f64,
+    cpu_us: f64,
 }
 
 /// Publishes the backlog, starts the consumer, measures the drain; then the paced phase.
@@ -415,21 +521,24 @@ async fn measure<R: Running>(
     (backlog, paced): (&[Message], &[Message]),
     rate: u32,
     start: impl Future<Output = Result<R, BoxError>>,
-) -> Result<(R, f64), BoxError> {
+) -> Result<(R, Drain), BoxError> {
     for id in backlog {
         publish(publisher, queue, id, false).await?;
     }
     let mut running = start.await?;
-    let started = Instant::now();
+    let (started, cpu) = (Instant::now(), process_cpu());
     until_acked(&mut running, backlog.len() as u64).await?;
-    let msgs_per_sec = backlog.len() as f64 / started.elapsed().as_secs_f64();
+    let drain = Drain {
+        msgs_per_sec: backlog.len() as f64 / started.elapsed().as_secs_f64(),
+        cpu_us: process_cpu().saturating_sub(cpu).as_secs_f64() * 1e6 / backlog.len() as f64,
+    };
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(rate)));
     for id in paced {
         tick.tick().await;
         publish(publisher, queue, id, true).await?;
     }
     until_acked(&mut running, (backlog.len() + paced.len()) as u64).await?;
-    Ok((running, msgs_per_sec))
+    Ok((running, drain))
 }
 
 /// Latency percentiles of `mode`'s paced phase, and its exactly-once check.
@@ -496,9 +605,9 @@ pub(crate) async fn run(args: BrokerBenchArgs) -> Result<BrokerBenchReport, BoxE
         .await?;
     let broker = sagabox::amqp::connect(&config, "bench").await?;
     let publisher = Publisher::open(&broker).await?;
-    let queues: Vec<String> = ["bench-handwritten", "bench-sagabox"]
-        .into_iter()
-        .map(|name| Ok::<_, BoxError>(config.queue(&ConsumerType::new(name)?)))
+    let queues: Vec<String> = MODES
+        .iter()
+        .map(|(_, name)| Ok::<_, BoxError>(config.queue(&ConsumerType::new(*name)?)))
         .collect::<Result<_, _>>()?;
     let outcome = async {
         sqlx::raw_sql(SETUP).execute(&pool).await?;
@@ -506,7 +615,7 @@ pub(crate) async fn run(args: BrokerBenchArgs) -> Result<BrokerBenchReport, BoxE
         sagabox::InboxGuard::new(store.clone(), InboxConfig::default())?
             .migrate()
             .await?;
-        for name in ["bench-handwritten", "bench-sagabox"] {
+        for (_, name) in MODES {
             sagabox::amqp::declare(publisher.channel(), &config, &ConsumerType::new(name)?).await?;
         }
         let mut rng = StdRng::seed_from_u64(args.seed);
@@ -522,7 +631,7 @@ pub(crate) async fn run(args: BrokerBenchArgs) -> Result<BrokerBenchReport, BoxE
         };
         let phases = (&backlog[..], &paced[..]);
 
-        let (handwritten, hand_rate) = measure(
+        let (handwritten, hand) = measure(
             &publisher,
             &queues[0],
             phases,
@@ -532,12 +641,24 @@ pub(crate) async fn run(args: BrokerBenchArgs) -> Result<BrokerBenchReport, BoxE
         .await?;
         handwritten.stop().await?;
 
+        let guard = InboxGuard::new(store.clone(), InboxConfig::default())?;
+        let consumer_type = ConsumerType::new(MODES[1].1)?;
+        let (direct, consumer) = measure(
+            &publisher,
+            &queues[1],
+            phases,
+            args.rate,
+            Direct::start(&config, guard, consumer_type, args.workers),
+        )
+        .await?;
+        direct.handle.stop().await;
+
         let transport = Transport::Amqp(config.clone());
         let participant = Participant::new(store, transport)
             .workers(args.workers)
             .skip_migrations()
-            .step("bench-sagabox", Deposit);
-        let (runtime, sagabox_rate) = measure(&publisher, &queues[1], phases, args.rate, async {
+            .step(MODES[2].1, Deposit(MODES[2].0));
+        let (runtime, sagabox) = measure(&publisher, &queues[2], phases, args.rate, async {
             Ok(Runtime {
                 handle: participant.start().await?,
             })
@@ -546,13 +667,14 @@ pub(crate) async fn run(args: BrokerBenchArgs) -> Result<BrokerBenchReport, BoxE
         runtime.handle.stop().await?;
 
         let mut modes = Vec::new();
-        for (mode, rate) in [("handwritten", hand_rate), ("sagabox", sagabox_rate)] {
+        for ((mode, _), drain) in MODES.iter().zip([&hand, &consumer, &sagabox]) {
             let (p50_us, p99_us, applied, exactly_once) = verdict(&pool, mode, distinct).await?;
             modes.push(BrokerModeReport {
                 mode,
                 backlog: backlog.len(),
-                msgs_per_sec: rate,
-                vs_handwritten: rate / hand_rate,
+                msgs_per_sec: drain.msgs_per_sec,
+                vs_handwritten: drain.msgs_per_sec / hand.msgs_per_sec,
+                client_cpu_us: drain.cpu_us,
                 p50_us,
                 p99_us,
                 applied,
