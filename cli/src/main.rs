@@ -344,10 +344,11 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         prune_rows: u64,
     },
-    /// Measure the broker path: messages through RabbitMQ into PostgreSQL, consumed by a
-    /// hand-written lapin consumer (INSERT … ON CONFLICT DO NOTHING, the business
-    /// statements, commit, ack) and by sagabox's Participant runtime, on one broker and
-    /// one database in one run. Scratch queues and a scratch schema, removed afterwards.
+    /// Measure the broker path: messages through RabbitMQ or NATS JetStream into
+    /// PostgreSQL, consumed by a hand-written consumer (INSERT … ON CONFLICT DO NOTHING,
+    /// the business statements, commit, ack), by sagabox's consumer with the inbox guard,
+    /// and by sagabox's Participant runtime, on one broker and one database in one run.
+    /// Scratch queues or streams and a scratch schema, removed afterwards.
     #[command(name = "bench-broker")]
     BenchBroker(bench::broker::BrokerBenchArgs),
     /// Read and replay a RabbitMQ dead-letter queue (<queue>.dead): `list` shows the dead

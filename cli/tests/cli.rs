@@ -8,6 +8,9 @@
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
+#[path = "../../tests/common/jetstream.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod jetstream;
 
 use common::sagabox_command as command;
 
@@ -374,19 +377,19 @@ async fn serve_declares_its_queue_with_the_delivery_limit_it_was_given() {
     drop(serve);
 }
 
-/// `bench-broker` on a small scale, against the real broker and database: the three
-/// consumers (hand-written, sagabox's consumer alone, the participant runtime) drain their
-/// queue, each message id is applied exactly once by each, the ratio is to
-/// the hand-written consumer, and the scratch queues and schema are gone afterwards.
-#[tokio::test]
-async fn bench_broker_measures_every_consumer_and_each_applies_every_message_once() {
+/// Runs `bench-broker` on a small scale against the real broker at `transport` and a
+/// fresh database, and checks what every transport must show: the three consumers
+/// (hand-written, sagabox's consumer alone, the participant runtime) drain their queue or
+/// stream, each message id is applied exactly once by each, the ratio is to the
+/// hand-written consumer, and the scratch schema is gone afterwards.
+async fn bench_broker_on(transport: &str) {
     let db = common::Pg::new().await;
     let out = stdout(&sagabox(&[
         "bench-broker",
         "--database-url",
         &db.url,
         "--transport",
-        &common::rabbit::amqp_url(),
+        transport,
         "--messages",
         "300",
         "--paced",
@@ -424,6 +427,30 @@ async fn bench_broker_measures_every_consumer_and_each_applies_every_message_onc
             .await,
         0,
         "the scratch schema is dropped"
+    );
+}
+
+/// `bench-broker` over RabbitMQ: see [`bench_broker_on`].
+#[tokio::test]
+async fn bench_broker_over_rabbitmq_applies_every_message_once_in_every_mode() {
+    bench_broker_on(&common::rabbit::amqp_url()).await;
+}
+
+/// `bench-broker` over NATS JetStream: see [`bench_broker_on`] (every delivery is
+/// acked, so the repeats got past the server's duplicate window to the consumers), and
+/// the bench's streams are deleted afterwards.
+#[tokio::test]
+async fn bench_broker_over_jetstream_applies_every_message_once_and_deletes_its_streams() {
+    let url = jetstream::nats_url();
+    bench_broker_on(&url).await;
+    let client = async_nats::connect(&url).await.expect("NATS answers");
+    let names: Vec<String> =
+        futures_lite::StreamExt::try_collect(async_nats::jetstream::new(client).stream_names())
+            .await
+            .expect("list streams");
+    assert!(
+        !names.iter().any(|name| name.starts_with("sagabox-bench-")),
+        "the bench's streams are deleted: {names:?}"
     );
 }
 
@@ -549,6 +576,16 @@ fn usage_errors_exit_with_status_2() {
         (
             &["bench-broker", "--transport", amqp],
             "the broker bench runs on PostgreSQL",
+        ),
+        (
+            &[
+                "bench-broker",
+                "--database-url",
+                "postgres://postgres@127.0.0.1:1/postgres",
+                "--transport",
+                "redis://127.0.0.1:1",
+            ],
+            "or NATS JetStream (nats://host:port)",
         ),
         (
             &["demo", "--concurrency", "0"],

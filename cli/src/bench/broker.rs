@@ -1,37 +1,38 @@
 //! `sagabox bench-broker`: the broker path against a hand-written consumer. Messages go
-//! through RabbitMQ into PostgreSQL, consumed on one broker and one database in one run
+//! through RabbitMQ or NATS JetStream (`--transport`'s scheme) into PostgreSQL, consumed on
+//! one broker and one database in one run:
 //!
-//! - `handwritten`: a `lapin` consumer running the SQL a team writes by hand —
-//!   `INSERT … ON CONFLICT DO NOTHING` into an inbox table, the business statements if
-//!   the insert was fresh, `COMMIT`, then the ack — on `--workers` tasks under the same
-//!   prefetch;
-//! - `consumer`: sagabox's RabbitMQ [`Consumer`] with [`InboxGuard::process`] called in
+//! - `handwritten`: a consumer written against the broker's client alone (`lapin`,
+//!   `async-nats`) running the SQL a team writes by hand — `INSERT … ON CONFLICT DO
+//!   NOTHING` into an inbox table, the business statements if the insert was fresh,
+//!   `COMMIT`, then the ack — on `--workers` tasks under the same prefetch;
+//! - `consumer`: sagabox's consumer for the broker with [`InboxGuard::process`] called in
 //!   each delivery's task, no step pool: what the guard and the consumer cost without
 //!   the actor hop;
 //! - `sagabox`: the [`Participant`] runtime with a step handler running the same business
 //!   statements, `--workers` workers.
 //!
-//! Each mode gets its own queue (declared the same way: a quorum queue) and the same
-//! messages: `--messages` published before its consumer starts (the backlog, drained as
-//! fast as the consumer goes: messages/s), then `--paced` more published at `--rate` per
-//! second while it runs (latency from publish to the business write, read from the
-//! database: p50, p99). A share `--duplicate-rate` of each phase repeats an earlier
-//! message id. Afterwards every message id must have been applied exactly once. The
-//! bench process's own CPU time per backlog message is reported beside (Linux `/proc`).
+//! Each mode gets its own queue or stream (declared the same way, by sagabox: a quorum
+//! queue; a work-queue stream with its durable pull consumer) and the same messages:
+//! `--messages` published before its consumer starts (the backlog, drained as fast as the
+//! consumer goes: messages/s), then `--paced` more published at `--rate` per second while
+//! it runs (latency from publish to the business write, read from the database: p50,
+//! p99). A share `--duplicate-rate` of each phase repeats an earlier message id; on
+//! JetStream the repeats are published without `Nats-Msg-Id`, so that the server's
+//! duplicate window lets them through to the consumer as a redelivery past that window
+//! would. Afterwards every message id must have been applied exactly once. The bench
+//! process's own CPU time per backlog message is reported beside (Linux `/proc`).
+
+mod amqp;
+mod nats;
 
 use std::str::FromStr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use futures_lite::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use sagabox::amqp::{AmqpConfig, Consumer, ConsumerOptions, Publisher, Routing};
-use sagabox::delivery::Disposition;
+use sagabox::delivery::{DeliveryHandler, Disposition};
 use sagabox::step::{StepError, StepHandler};
 use sagabox::transport::Transport;
 use sagabox::{
@@ -41,7 +42,6 @@ use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
 
 use super::BoxError;
 
@@ -52,9 +52,10 @@ pub(crate) struct BrokerBenchArgs {
     #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = sagabox_cli::args::DEFAULT_DATABASE_URL,
           value_parser = postgres_url)]
     pub(crate) database_url: String,
-    /// The RabbitMQ broker: amqp://user:password@host:port/vhost
-    #[arg(long = "transport", value_name = "URL", value_parser = amqp_url)]
-    pub(crate) amqp_url: String,
+    /// The broker: amqp://user:password@host:port/vhost (RabbitMQ) or nats://host:port
+    /// (NATS JetStream)
+    #[arg(long = "transport", value_name = "URL", value_parser = broker_url)]
+    pub(crate) broker_url: String,
     /// Messages published before each consumer starts (its backlog: messages/s).
     #[arg(long, default_value_t = 20_000, value_parser = sagabox_cli::args::at_least_one)]
     pub(crate) messages: usize,
@@ -67,7 +68,8 @@ pub(crate) struct BrokerBenchArgs {
     /// Share of messages that repeat an earlier id, 0..=1.
     #[arg(long, default_value_t = 0.2, value_parser = sagabox_cli::args::rate)]
     pub(crate) duplicate_rate: f64,
-    /// Unacknowledged messages per consumer (AMQP prefetch), 1 to 65535.
+    /// Unacknowledged messages per consumer (AMQP prefetch, JetStream max_ack_pending),
+    /// 1 to 65535.
     #[arg(long, default_value_t = 32, value_parser = sagabox_cli::args::prefetch)]
     pub(crate) prefetch: u16,
     /// Concurrent handlers (and database connections) per consumer, 1 to 10000.
@@ -90,12 +92,19 @@ fn postgres_url(url: &str) -> Result<String, String> {
     }
 }
 
-/// Parses `--transport`: the broker bench speaks RabbitMQ.
-fn amqp_url(url: &str) -> Result<String, String> {
-    if url.starts_with("amqp://") || url.starts_with("amqps://") {
+/// Parses `--transport`: RabbitMQ or NATS JetStream.
+fn broker_url(url: &str) -> Result<String, String> {
+    if ["amqp://", "amqps://", "nats://"]
+        .iter()
+        .any(|scheme| url.starts_with(scheme))
+    {
         Ok(url.to_owned())
     } else {
-        Err("the broker bench speaks RabbitMQ (amqp://user:password@host:port/vhost)".into())
+        Err(
+            "the broker bench speaks RabbitMQ (amqp://user:password@host:port/vhost) or NATS \
+             JetStream (nats://host:port)"
+                .into(),
+        )
     }
 }
 
@@ -177,7 +186,7 @@ CREATE TABLE bench_raw_inbox (message_id TEXT PRIMARY KEY, processed_at TIMESTAM
 ";
 const ACCOUNTS: i64 = 1000;
 /// The consumers, in the order they run: the mode each writes its effects as, and its
-/// consumer type (which names its queue).
+/// consumer type (which names its queue or stream).
 const MODES: [(&str, &str); 3] = [
     ("handwritten", "bench-handwritten"),
     ("consumer", "bench-consumer"),
@@ -271,19 +280,17 @@ fn ids(count: usize, duplicate_rate: f64, rng: &mut StdRng) -> Vec<Message> {
     ids
 }
 
-async fn publish(
-    publisher: &Publisher,
-    queue: &str,
-    (id, account): &Message,
-    paced: bool,
-) -> Result<(), BoxError> {
+/// The envelope a message of the workload travels in.
+fn envelope((id, account): &Message, paced: bool) -> Result<Envelope, BoxError> {
     let sent_us = chrono::Utc::now().timestamp_micros();
     let payload = serde_json::json!({"account": account, "sent_us": sent_us, "paced": paced});
-    let envelope = Envelope::new(id.clone(), "deposit", payload)?;
-    publisher
-        .publish(queue, &envelope, None, None, Routing::Required)
-        .await?;
-    Ok(())
+    Ok(Envelope::new(id.clone(), "deposit", payload)?)
+}
+
+/// A broker's side of the bench: publishing a message to one mode's queue or stream.
+trait Publish {
+    /// Publishes `message` to the queue or stream of `MODES[mode]`.
+    async fn publish(&self, mode: usize, message: &Message, paced: bool) -> Result<(), BoxError>;
 }
 
 /// A consumer running, and how many deliveries it acknowledged.
@@ -321,154 +328,40 @@ async fn until_acked(running: &mut impl Running, count: u64) -> Result<(), BoxEr
     }
 }
 
-/// The hand-written consumer: its connection and the count of its acks.
-struct Handwritten {
-    acked: Arc<AtomicU64>,
-    task: tokio::task::JoinHandle<Result<(), BoxError>>,
-    connection: Connection,
+/// The `consumer` mode's handler: sagabox's guard called in the delivery's task, at most
+/// `--workers` at once.
+#[derive(Clone)]
+struct Guarded {
+    guard: InboxGuard<PostgresStore>,
+    consumer_type: ConsumerType,
+    workers: Arc<Semaphore>,
 }
 
-impl Running for Handwritten {
-    fn acked(&self) -> u64 {
-        self.acked.load(Ordering::Relaxed)
-    }
-
-    async fn failure(&mut self) -> Option<BoxError> {
-        if !self.task.is_finished() {
-            return None;
-        }
-        Some(match (&mut self.task).await {
-            Ok(Ok(())) => "its deliveries ended".into(),
-            Ok(Err(error)) => error,
-            Err(panicked) => panicked.into(),
-        })
-    }
-}
-
-impl Handwritten {
-    async fn start(args: &BrokerBenchArgs, pool: PgPool, queue: &str) -> Result<Self, BoxError> {
-        let connection =
-            Connection::connect(&args.amqp_url, ConnectionProperties::default()).await?;
-        let channel = connection.create_channel().await?;
-        channel
-            .basic_qos(args.prefetch, BasicQosOptions::default())
-            .await?;
-        let mut deliveries = channel
-            .basic_consume(
-                queue.into(),
-                "bench-handwritten".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        let acked = Arc::new(AtomicU64::new(0));
-        let workers = Arc::new(Semaphore::new(args.workers));
-        let task = tokio::spawn({
-            let acked = acked.clone();
-            async move {
-                let mut running = JoinSet::new();
-                while let Some(delivery) = deliveries.next().await {
-                    let delivery = delivery?;
-                    let permit = workers.clone().acquire_owned().await?;
-                    let (pool, acked) = (pool.clone(), acked.clone());
-                    running.spawn(async move {
-                        let id = delivery
-                            .properties
-                            .message_id()
-                            .as_ref()
-                            .ok_or("a delivery without message_id")?
-                            .to_string();
-                        let body: serde_json::Value = serde_json::from_slice(&delivery.data)?;
-                        let fields = fields(&body["payload"]).ok_or("payload lacks its fields")?;
-                        let mut tx = pool.begin().await?;
-                        let fresh = sqlx::query(RAW_CLAIM)
-                            .bind(id.as_str())
-                            .execute(&mut *tx)
-                            .await?
-                            .rows_affected()
-                            == 1;
-                        if fresh {
-                            business(&mut tx, "handwritten", &id, &fields).await?;
-                        }
-                        tx.commit().await?;
-                        delivery.acker.ack(BasicAckOptions::default()).await?;
-                        acked.fetch_add(1, Ordering::Relaxed);
-                        drop(permit);
-                        Ok::<_, BoxError>(())
-                    });
-                    while let Some(done) = running.try_join_next() {
-                        done??;
-                    }
-                }
-                while let Some(done) = running.join_next().await {
-                    done??;
-                }
-                Ok(())
-            }
-        });
+impl Guarded {
+    fn new(store: PostgresStore, workers: usize) -> Result<Self, BoxError> {
         Ok(Self {
-            acked,
-            task,
-            connection,
+            guard: InboxGuard::new(store, InboxConfig::default())?,
+            consumer_type: ConsumerType::new(MODES[1].1)?,
+            workers: Arc::new(Semaphore::new(workers)),
         })
     }
-
-    /// Closes the connection once every delivery is acked; the consumer's loop ends
-    /// with it (the error of a stream cut by its own close says nothing).
-    async fn stop(self) -> Result<(), BoxError> {
-        self.connection.close(200, "bench done".into()).await?;
-        self.task.abort();
-        Ok(())
-    }
 }
 
-/// The `consumer` mode: sagabox's consumer calling the guard itself.
-struct Direct {
-    handle: sagabox::amqp::ConsumerHandle,
-}
-
-impl Running for Direct {
-    fn acked(&self) -> u64 {
-        self.handle.stats().acked.load(Ordering::Relaxed)
-    }
-
-    async fn failure(&mut self) -> Option<BoxError> {
-        self.handle
-            .is_finished()
-            .then(|| "the consumer ended".into())
-    }
-}
-
-impl Direct {
-    async fn start(
-        config: &AmqpConfig,
-        guard: InboxGuard<PostgresStore>,
-        consumer_type: ConsumerType,
-        workers: usize,
-    ) -> Result<Self, BoxError> {
-        let options = ConsumerOptions::new(consumer_type.clone(), ["deposit"]);
-        // As many deliveries in the guard at once as the other modes have workers.
-        let workers = Arc::new(Semaphore::new(workers));
-        let handle = Consumer::spawn(config.clone(), options, move |envelope: Envelope| {
-            let (guard, consumer_type) = (guard.clone(), consumer_type.clone());
-            let workers = workers.clone();
-            async move {
-                let Ok(_permit) = workers.acquire().await else {
-                    return Disposition::Retry("the bench is stopping".into());
-                };
-                let processed = guard
-                    .process(&consumer_type, &envelope, async |conn, envelope| {
-                        Deposit(MODES[1].0).apply(conn, envelope).await
-                    })
-                    .await;
-                match processed {
-                    Ok(_) => Disposition::Done { reply: None },
-                    Err(error) => Disposition::Retry(error.to_string()),
-                }
-            }
-        })
-        .await?;
-        Ok(Self { handle })
+impl DeliveryHandler for Guarded {
+    async fn handle(&self, envelope: Envelope) -> Disposition {
+        let Ok(_permit) = self.workers.acquire().await else {
+            return Disposition::Retry("the bench is stopping".into());
+        };
+        let processed = self
+            .guard
+            .process(&self.consumer_type, &envelope, async |conn, envelope| {
+                Deposit(MODES[1].0).apply(conn, envelope).await
+            })
+            .await;
+        match processed {
+            Ok(_) => Disposition::Done { reply: None },
+            Err(error) => Disposition::Retry(error.to_string()),
+        }
     }
 }
 
@@ -484,6 +377,28 @@ impl Running for Runtime {
             .step(MODES[2].1)
             .map_or(0, |step| step.acked)
     }
+}
+
+/// Measures the `sagabox` mode: the participant runtime on `transport`.
+async fn participant_drain(
+    target: &impl Publish,
+    transport: Transport,
+    store: PostgresStore,
+    workload: &Workload<'_>,
+    workers: usize,
+) -> Result<Drain, BoxError> {
+    let participant = Participant::new(store, transport)
+        .workers(workers)
+        .skip_migrations()
+        .step(MODES[2].1, Deposit(MODES[2].0));
+    let (runtime, drain) = measure(target, 2, workload, async {
+        Ok(Runtime {
+            handle: participant.start().await?,
+        })
+    })
+    .await?;
+    runtime.handle.stop().await?;
+    Ok(drain)
 }
 
 /// CPU time this process has used, user and system (Linux `/proc`; zero elsewhere).
@@ -514,30 +429,37 @@ struct Drain {
     cpu_us: f64,
 }
 
+/// The messages every mode gets, and the paced phase's rate.
+struct Workload<'a> {
+    backlog: &'a [Message],
+    paced: &'a [Message],
+    rate: u32,
+}
+
 /// Publishes the backlog, starts the consumer, measures the drain; then the paced phase.
 async fn measure<R: Running>(
-    publisher: &Publisher,
-    queue: &str,
-    (backlog, paced): (&[Message], &[Message]),
-    rate: u32,
+    target: &impl Publish,
+    mode: usize,
+    workload: &Workload<'_>,
     start: impl Future<Output = Result<R, BoxError>>,
 ) -> Result<(R, Drain), BoxError> {
-    for id in backlog {
-        publish(publisher, queue, id, false).await?;
+    for message in workload.backlog {
+        target.publish(mode, message, false).await?;
     }
     let mut running = start.await?;
+    let backlog = workload.backlog.len();
     let (started, cpu) = (Instant::now(), process_cpu());
-    until_acked(&mut running, backlog.len() as u64).await?;
+    until_acked(&mut running, backlog as u64).await?;
     let drain = Drain {
-        msgs_per_sec: backlog.len() as f64 / started.elapsed().as_secs_f64(),
-        cpu_us: process_cpu().saturating_sub(cpu).as_secs_f64() * 1e6 / backlog.len() as f64,
+        msgs_per_sec: backlog as f64 / started.elapsed().as_secs_f64(),
+        cpu_us: process_cpu().saturating_sub(cpu).as_secs_f64() * 1e6 / backlog as f64,
     };
-    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(rate)));
-    for id in paced {
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(workload.rate)));
+    for message in workload.paced {
         tick.tick().await;
-        publish(publisher, queue, id, true).await?;
+        target.publish(mode, message, true).await?;
     }
-    until_acked(&mut running, (backlog.len() + paced.len()) as u64).await?;
+    until_acked(&mut running, (backlog + workload.paced.len()) as u64).await?;
     Ok((running, drain))
 }
 
@@ -571,7 +493,8 @@ async fn verdict(
     ))
 }
 
-/// Runs both consumers on a scratch schema and scratch queues, removed afterwards.
+/// Runs the three consumers on a scratch schema and scratch queues or streams, removed
+/// afterwards.
 pub(crate) async fn run(args: BrokerBenchArgs) -> Result<BrokerBenchReport, BoxError> {
     if !(0.0..=1.0).contains(&args.duplicate_rate) {
         return Err(format!(
@@ -580,12 +503,6 @@ pub(crate) async fn run(args: BrokerBenchArgs) -> Result<BrokerBenchReport, BoxE
         )
         .into());
     }
-    let prefix = format!("sagabox-bench-{}", std::process::id());
-    let mut config = AmqpConfig::new(args.amqp_url.clone())
-        .with_queue_prefix(prefix)
-        .with_inbox(&InboxConfig::default());
-    config.prefetch = args.prefetch;
-    config.validate()?;
     let schema = format!("sagabox_bench_broker_{}", std::process::id());
     let admin = PostgresStore::connect(&args.database_url, 1)
         .await?
@@ -603,21 +520,12 @@ pub(crate) async fn run(args: BrokerBenchArgs) -> Result<BrokerBenchReport, BoxE
         .max_connections(connections)
         .connect_with(options)
         .await?;
-    let broker = sagabox::amqp::connect(&config, "bench").await?;
-    let publisher = Publisher::open(&broker).await?;
-    let queues: Vec<String> = MODES
-        .iter()
-        .map(|(_, name)| Ok::<_, BoxError>(config.queue(&ConsumerType::new(*name)?)))
-        .collect::<Result<_, _>>()?;
     let outcome = async {
         sqlx::raw_sql(SETUP).execute(&pool).await?;
         let store = PostgresStore::new(pool.clone());
-        sagabox::InboxGuard::new(store.clone(), InboxConfig::default())?
+        InboxGuard::new(store.clone(), InboxConfig::default())?
             .migrate()
             .await?;
-        for (_, name) in MODES {
-            sagabox::amqp::declare(publisher.channel(), &config, &ConsumerType::new(name)?).await?;
-        }
         let mut rng = StdRng::seed_from_u64(args.seed);
         let backlog = ids(args.messages, args.duplicate_rate, &mut rng);
         let paced = ids(args.paced, args.duplicate_rate, &mut rng);
@@ -629,51 +537,25 @@ pub(crate) async fn run(args: BrokerBenchArgs) -> Result<BrokerBenchReport, BoxE
                 .collect();
             i64::try_from(all.len())?
         };
-        let phases = (&backlog[..], &paced[..]);
-
-        let (handwritten, hand) = measure(
-            &publisher,
-            &queues[0],
-            phases,
-            args.rate,
-            Handwritten::start(&args, pool.clone(), &queues[0]),
-        )
-        .await?;
-        handwritten.stop().await?;
-
-        let guard = InboxGuard::new(store.clone(), InboxConfig::default())?;
-        let consumer_type = ConsumerType::new(MODES[1].1)?;
-        let (direct, consumer) = measure(
-            &publisher,
-            &queues[1],
-            phases,
-            args.rate,
-            Direct::start(&config, guard, consumer_type, args.workers),
-        )
-        .await?;
-        direct.handle.stop().await;
-
-        let transport = Transport::Amqp(config.clone());
-        let participant = Participant::new(store, transport)
-            .workers(args.workers)
-            .skip_migrations()
-            .step(MODES[2].1, Deposit(MODES[2].0));
-        let (runtime, sagabox) = measure(&publisher, &queues[2], phases, args.rate, async {
-            Ok(Runtime {
-                handle: participant.start().await?,
-            })
-        })
-        .await?;
-        runtime.handle.stop().await?;
-
+        let workload = Workload {
+            backlog: &backlog,
+            paced: &paced,
+            rate: args.rate,
+        };
+        let drains = if args.broker_url.starts_with("nats://") {
+            nats::drains(&args, &pool, store, &workload).await?
+        } else {
+            amqp::drains(&args, &pool, store, &workload).await?
+        };
+        let hand = drains[0].msgs_per_sec;
         let mut modes = Vec::new();
-        for ((mode, _), drain) in MODES.iter().zip([&hand, &consumer, &sagabox]) {
+        for ((mode, _), drain) in MODES.iter().zip(&drains) {
             let (p50_us, p99_us, applied, exactly_once) = verdict(&pool, mode, distinct).await?;
             modes.push(BrokerModeReport {
                 mode,
                 backlog: backlog.len(),
                 msgs_per_sec: drain.msgs_per_sec,
-                vs_handwritten: drain.msgs_per_sec / hand.msgs_per_sec,
+                vs_handwritten: drain.msgs_per_sec / hand,
                 client_cpu_us: drain.cpu_us,
                 p50_us,
                 p99_us,
@@ -684,18 +566,6 @@ pub(crate) async fn run(args: BrokerBenchArgs) -> Result<BrokerBenchReport, BoxE
         Ok::<_, BoxError>(modes)
     }
     .await;
-    for queue in &queues {
-        for name in [queue.clone(), format!("{queue}.dead")] {
-            let _ = publisher
-                .channel()
-                .queue_delete(
-                    name.as_str().into(),
-                    lapin::options::QueueDeleteOptions::default(),
-                )
-                .await;
-        }
-    }
-    let _ = broker.close(200, "bench done".into()).await;
     pool.close().await;
     sqlx::raw_sql(AssertSqlSafe(format!(
         "DROP SCHEMA IF EXISTS {schema} CASCADE"
@@ -704,7 +574,7 @@ pub(crate) async fn run(args: BrokerBenchArgs) -> Result<BrokerBenchReport, BoxE
     .await?;
     Ok(BrokerBenchReport {
         database: sagabox::database::redact(&args.database_url),
-        broker: sagabox::database::redact(&args.amqp_url),
+        broker: sagabox::database::redact(&args.broker_url),
         prefetch: args.prefetch,
         workers: args.workers,
         duplicate_rate: args.duplicate_rate,
