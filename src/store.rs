@@ -130,7 +130,27 @@ pub enum Claimed {
         row_written: bool,
     },
     /// The key's first delivery is recorded: the handler must not run.
-    Duplicate(FirstDelivery),
+    Duplicate {
+        /// The first delivery, whose result answers this one.
+        first: FirstDelivery,
+        /// The claim already added this delivery to the first one's duplicate count
+        /// ([`InboxStore::record_duplicate`]), in its own statement.
+        counted: bool,
+    },
+}
+
+impl Claimed {
+    /// What a lookup found: the first delivery, not yet counted, or nothing (the claim
+    /// is fresh and its row is still to be written).
+    pub fn found(first: Option<FirstDelivery>) -> Self {
+        match first {
+            Some(first) => Self::Duplicate {
+                first,
+                counted: false,
+            },
+            None => Self::Fresh { row_written: false },
+        }
+    }
 }
 
 /// A batch claim: the guard's open transaction and, per key, what its claim found.

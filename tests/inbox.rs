@@ -242,6 +242,7 @@ macro_rules! inbox_suite {
                 let messages: Vec<Envelope> = (0..KEYS)
                     .map(|k| envelope(&format!("round-{round}/key-{k}"), timing))
                     .collect();
+                let counted_before = fx.duplicates_counted().await;
                 let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(TASKS));
                 let mut tasks = Vec::new();
                 for task in 0..TASKS {
@@ -273,6 +274,13 @@ macro_rules! inbox_suite {
                 }
                 assert_eq!(applied, KEYS, "round {round} ({timing:?})");
                 assert_eq!(duplicates, KEYS * (TASKS - 1), "round {round} ({timing:?})");
+                // Each answered duplicate is counted once on its first delivery's row,
+                // whether the claim counted it in its own statement or after a lookup.
+                assert_eq!(
+                    fx.duplicates_counted().await - counted_before,
+                    i64::try_from(duplicates).unwrap(),
+                    "round {round} ({timing:?})"
+                );
             }
 
             /// `keys` side effects, none for the same key twice, and one inbox row each.

@@ -201,12 +201,14 @@ impl<S: InboxStore> InboxGuard<S> {
         let mut counted_duplicates = false;
         for (i, claim) in claims.into_iter().enumerate() {
             match claim {
-                Claimed::Duplicate(first) => {
+                Claimed::Duplicate { first, counted } => {
                     // Counted on the first delivery's row, as a single duplicate is, for
                     // `sagabox inspect`; in this transaction, which holds the key.
-                    self.store()
-                        .record_duplicate(&mut tx, &keys[i], &first, now)
-                        .await?;
+                    if !counted {
+                        self.store()
+                            .record_duplicate(&mut tx, &keys[i], &first, now)
+                            .await?;
+                    }
                     counted_duplicates = true;
                     claimed.push(Some(Outcome::Duplicate {
                         first_processed_at: first.processed_at,

@@ -169,8 +169,8 @@ impl<S: InboxStore> InboxGuard<S> {
         };
         metrics::claim_duration(consumer_type, claim_started.elapsed());
         let row_written = match claimed {
-            Claimed::Duplicate(first) => {
-                self.count_duplicate(tx, &key, &first, now).await;
+            Claimed::Duplicate { first, counted } => {
+                self.count_duplicate(tx, &key, &first, counted, now).await;
                 return Ok(Outcome::Duplicate {
                     first_processed_at: first.processed_at,
                     result: first.result,
@@ -217,7 +217,7 @@ impl<S: InboxStore> InboxGuard<S> {
             // all back and answer with the row that won.
             tx.rollback().await?;
             let (tx, claimed) = self.store.begin_claim(&key, None).await?;
-            let Claimed::Duplicate(first) = claimed else {
+            let Claimed::Duplicate { first, counted } = claimed else {
                 tx.rollback().await?;
                 return Err(InboxError::ClaimVanished {
                     consumer_type: consumer_type.clone(),
@@ -225,7 +225,7 @@ impl<S: InboxStore> InboxGuard<S> {
                 }
                 .into());
             };
-            self.count_duplicate(tx, &key, &first, now).await;
+            self.count_duplicate(tx, &key, &first, counted, now).await;
             tracing::debug!(
                 consumer_type = %consumer_type,
                 message_id = %envelope.id,
@@ -241,24 +241,31 @@ impl<S: InboxStore> InboxGuard<S> {
     }
 
     /// Adds one to the duplicates recorded on the first delivery's row, in the claim's
-    /// transaction (which still holds the key), and commits; `sagabox inspect` reads the
-    /// counts from there. Only the duplicate path pays for it. A failure here only loses
-    /// a count: it is logged and the duplicate is still answered.
+    /// transaction (which still holds the key), unless the claim `counted` it already,
+    /// and commits; `sagabox inspect` reads the counts from there. Only the duplicate path
+    /// pays for it. A failure here only loses a count: it is logged and the duplicate is
+    /// still answered.
     async fn count_duplicate(
         &self,
         mut tx: sqlx::Transaction<'static, S::Db>,
         key: &ClaimKey<'_>,
         first: &FirstDelivery,
+        counted: bool,
         now: DateTime<Utc>,
     ) {
-        let counted = match self.store.record_duplicate(&mut tx, key, first, now).await {
+        let recorded = if counted {
+            Ok(())
+        } else {
+            self.store.record_duplicate(&mut tx, key, first, now).await
+        };
+        let committed = match recorded {
             Ok(()) => tx.commit().await,
             Err(error) => {
                 tx.rollback().await.ok();
                 Err(error)
             }
         };
-        if let Err(error) = counted {
+        if let Err(error) = committed {
             tracing::warn!(
                 consumer_type = %key.consumer_type,
                 message_id = %key.message_id,

@@ -148,24 +148,42 @@ fn claim_sql(key: &ClaimKey<'_>) -> String {
 }
 
 /// The claim of a key filed in its own month (`!probe_all`) whose handler records no
-/// result, in one statement: if the key's advisory lock (`$5`, `$6`) is free, take it and
+/// result, in one statement. If the key's advisory lock (`$5`, `$6`) is free, take it,
 /// insert the key's row (`$1` consumer type, `$2` message id, `$3` bucket, `$4`
 /// processed at) with a null result, `ON CONFLICT DO NOTHING` — the hand-written inbox's
-/// statement with the lock as its condition.
+/// statement with the lock as its condition — and, under the same lock, add one to the
+/// duplicate count of a row the statement's snapshot already holds (`$4` as the
+/// duplicate's time), returning that row's first delivery. One row: `inserted`, and the
+/// first delivery's `processed_at` and `result` or NULLs.
 ///
-/// One row inserted: the claim is fresh, with the lock held, in the round trips of a
+/// Inserted: the claim is fresh, with the lock held, in the round trips of a
 /// hand-written inbox (`BEGIN`, claim, the handler's statements, `COMMIT`). The
 /// partition's primary key is global for such keys and every writer of a key's row
-/// holds its lock, so the insert itself is the arbiter. None: the lock is taken or the
-/// row exists; the lookup ([`claim_sql`], after waiting for the lock if need be) then
-/// tells which, in a statement whose fresh snapshot sees the row that won. Only
-/// duplicates pay for that second statement.
+/// holds its lock, so the insert itself is the arbiter. A first delivery returned: a
+/// duplicate, answered and counted in that same round trip, its transaction then
+/// committing without waiting for the WAL flush (the count is a statistic; see
+/// [`InboxStore::record_duplicate`]). Neither: the lock is taken, or the row that won
+/// committed after the snapshot; the lookup ([`claim_sql`], after waiting for the lock if
+/// need be) then tells which, in a statement whose fresh snapshot sees that row.
+///
+/// The update cannot find the row the insert writes: a statement's parts share one
+/// snapshot, which does not hold its own insert.
 fn claim_fast_sql(key: &ClaimKey<'_>) -> String {
+    let partition = partition_name(key.bucket);
     format!(
-        "INSERT INTO {} (consumer_type, message_id, bucket, processed_at, result) \
-         SELECT $1, $2, $3, $4, 'null'::jsonb WHERE pg_try_advisory_xact_lock($5, $6) \
-         ON CONFLICT DO NOTHING",
-        partition_name(key.bucket)
+        "WITH k AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($5, $6) AS locked), \
+         ins AS ( \
+             INSERT INTO {partition} (consumer_type, message_id, bucket, processed_at, result) \
+             SELECT $1, $2, $3, $4, 'null'::jsonb FROM k WHERE k.locked \
+             ON CONFLICT DO NOTHING RETURNING 1), \
+         dup AS ( \
+             UPDATE {partition} SET duplicates = duplicates + 1, \
+                    last_duplicate_at = GREATEST(last_duplicate_at, $4) \
+              WHERE consumer_type = $1 AND message_id = $2 AND (SELECT locked FROM k) \
+             RETURNING processed_at, result, \
+                       set_config('synchronous_commit', 'off', true) AS async_commit) \
+         SELECT EXISTS (SELECT 1 FROM ins) AS inserted, d.processed_at, d.result \
+           FROM k LEFT JOIN dup d ON true"
     )
 }
 
@@ -358,10 +376,7 @@ impl PostgresStore {
                 // Not inserted under its lock, so its row exists and is committed; one
                 // not found (it cannot be) is left to the insert after the handler, which
                 // then meets it and fails the batch.
-                match found.remove(key.message_id.as_str()) {
-                    Some(first) => Claimed::Duplicate(first),
-                    None => Claimed::Fresh { row_written: false },
-                }
+                Claimed::found(found.remove(key.message_id.as_str()))
             })
             .collect();
         Ok(Some((tx, claims)))
@@ -392,12 +407,7 @@ impl InboxStore for PostgresStore {
                 .bind(key.consumer_type.as_str())
                 .bind(key.message_id.as_str())
         };
-        let found = |row: &PgRow| {
-            Ok::<_, sqlx::Error>(match first_delivery(row)? {
-                Some(first) => Claimed::Duplicate(first),
-                None => Claimed::Fresh { row_written: false },
-            })
-        };
+        let found = |row: &PgRow| first_delivery(row).map(Claimed::found);
 
         if key.probe_all {
             // A message without a time may have its first row in another partition than
@@ -417,23 +427,31 @@ impl InboxStore for PostgresStore {
             return Ok((tx, claimed));
         };
 
-        let inserted = sqlx::query(AssertSqlSafe(claim_fast_sql(key)))
+        let row = sqlx::query(AssertSqlSafe(claim_fast_sql(key)))
             .bind(key.consumer_type.as_str())
             .bind(key.message_id.as_str())
             .bind(key.bucket.first_day())
             .bind(processed_at)
             .bind(LOCK_CLASS)
             .bind(lock)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-            == 1;
-        if inserted {
+            .fetch_one(&mut *tx)
+            .await?;
+        if row.try_get::<bool, _>("inserted")? {
             return Ok((tx, Claimed::Fresh { row_written: true }));
         }
-        // Locked out, or the row exists: look, after the holder of the lock (if any)
-        // ended. No row then (the holder rolled back) leaves the claim fresh with the
-        // lock held, and the row is written after the handler.
+        if let Some(first) = first_delivery(&row)? {
+            return Ok((
+                tx,
+                Claimed::Duplicate {
+                    first,
+                    counted: true,
+                },
+            ));
+        }
+        // Locked out, or the row committed after the statement's snapshot: look, after
+        // the holder of the lock (if any) ended. No row then (the holder rolled back)
+        // leaves the claim fresh with the lock held, and the row is written after the
+        // handler.
         let row = once_locked(&mut tx, lock, lookup).await?;
         let claimed = found(&row)?;
         Ok((tx, claimed))
@@ -473,10 +491,7 @@ impl InboxStore for PostgresStore {
         let mut found = lookup_batch(&mut tx, consumer_type, keys).await?;
         let claims = keys
             .iter()
-            .map(|key| match found.remove(key.message_id.as_str()) {
-                Some(first) => Claimed::Duplicate(first),
-                None => Claimed::Fresh { row_written: false },
-            })
+            .map(|key| Claimed::found(found.remove(key.message_id.as_str())))
             .collect();
         Ok((tx, claims))
     }

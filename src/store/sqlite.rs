@@ -194,10 +194,7 @@ impl InboxStore for SqliteStore {
         // result, rather than written now and updated.
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let mut tables = None;
-        let claimed = match lookup(&mut tx, key, &mut tables).await? {
-            Some(first) => Claimed::Duplicate(first),
-            None => Claimed::Fresh { row_written: false },
-        };
+        let claimed = Claimed::found(lookup(&mut tx, key, &mut tables).await?);
         Ok((tx, claimed))
     }
 
@@ -213,10 +210,7 @@ impl InboxStore for SqliteStore {
         let mut tables = None;
         let mut claims = Vec::with_capacity(keys.len());
         for key in keys {
-            claims.push(match lookup(&mut tx, key, &mut tables).await? {
-                Some(first) => Claimed::Duplicate(first),
-                None => Claimed::Fresh { row_written: false },
-            });
+            claims.push(Claimed::found(lookup(&mut tx, key, &mut tables).await?));
         }
         Ok((tx, claims))
     }

@@ -151,6 +151,12 @@ impl Pg {
         self.scalar("SELECT COUNT(*) FROM sagabox_inbox").await
     }
 
+    /// Duplicate deliveries counted on the inbox rows, all partitions.
+    pub async fn duplicates_counted(&self) -> i64 {
+        self.scalar("SELECT CAST(COALESCE(SUM(duplicates), 0) AS BIGINT) FROM sagabox_inbox")
+            .await
+    }
+
     /// A `FROM` item with every inbox row (`consumer_type`, `duplicates`), all months.
     pub async fn inbox_from(&self) -> String {
         "sagabox_inbox".to_owned()
@@ -288,6 +294,21 @@ impl Lite {
             rows += n;
         }
         rows
+    }
+
+    /// Duplicate deliveries counted on the inbox rows, all monthly tables.
+    pub async fn duplicates_counted(&self) -> i64 {
+        let mut counted = 0;
+        for table in self.inbox_tables().await {
+            let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+                "SELECT CAST(COALESCE(SUM(duplicates), 0) AS BIGINT) FROM {table}"
+            )))
+            .fetch_one(&self.pool)
+            .await
+            .expect("sum duplicates");
+            counted += n;
+        }
+        counted
     }
 }
 
