@@ -61,6 +61,13 @@ pub struct OrchestrateConfig {
     /// sensible value); `None` keeps it forever. When set, one orchestrator process at a
     /// time (the holder of the maintenance lock) prunes it every hour.
     pub history_retention: Option<Duration>,
+    /// The orchestrators' inbox (their start messages and step replies): its TTL, and
+    /// whether a broker that keeps messages longer may run anyway
+    /// ([`InboxConfig::with_ttl_below_retention_allowed`]). A JetStream stream's
+    /// `max_age` is checked against it before consuming; a RabbitMQ queue's retention
+    /// is checked against the inbox its [`AmqpConfig::retention_check`](crate::amqp::AmqpConfig::retention_check)
+    /// names. [`InboxConfig::default`] suits most.
+    pub inbox: InboxConfig,
 }
 
 /// Why [`orchestrate`] did not start or did not end cleanly.
@@ -131,7 +138,7 @@ where
     S: InboxStore + SagaStore,
 {
     check(&config)?;
-    let guard = InboxGuard::new(store.clone(), InboxConfig::default()).map_err(InboxError::from)?;
+    let guard = InboxGuard::new(store.clone(), config.inbox.clone()).map_err(InboxError::from)?;
     guard.migrate().await?;
     let supervision = Supervision::start()
         .await
@@ -370,6 +377,7 @@ timeout = "5s"
     fn config(definitions: Vec<SagaDefinition>, resume_interval: Duration) -> OrchestrateConfig {
         OrchestrateConfig {
             history_retention: None,
+            inbox: InboxConfig::default(),
             definitions,
             transport: Transport::from_url("amqp://guest:guest@127.0.0.1:5672/%2f", "sagabox")
                 .unwrap(),

@@ -460,6 +460,53 @@ async fn a_stream_without_max_age_is_refused_unless_forced() {
     forced.stop().await;
 }
 
+/// `orchestrate` checks its start streams against its own inbox: refused when the
+/// stream keeps messages longer than the TTL, run when that inbox allows it.
+#[tokio::test]
+async fn orchestrate_refuses_a_start_stream_longer_than_its_ttl_unless_its_inbox_allows_it() {
+    const SAGA: &str = r#"
+name = "ping"
+
+[[steps]]
+name = "ping"
+consumer_type = "pong"
+command = "ping"
+timeout = "5s"
+"#;
+    let (pg, js) = (Pg::new().await, Js::new(&["ping.start", "pong"]).await);
+    stream_kept_for(&js, "ping.start", 45 * DAY).await;
+    let run = |inbox: InboxConfig| {
+        let config = sagabox::orchestrate::OrchestrateConfig {
+            definitions: vec![sagabox::saga::SagaDefinition::from_toml_str(SAGA).unwrap()],
+            transport: js.config.clone().into(),
+            resume_interval: Duration::from_secs(1),
+            history_retention: None,
+            inbox,
+        };
+        let store = pg.store(4);
+        async move {
+            sagabox::orchestrate::orchestrate(
+                store.await,
+                config,
+                tokio::time::sleep(Duration::from_secs(1)),
+            )
+            .await
+        }
+    };
+    let refused = run(InboxConfig::default().with_ttl(30 * DAY))
+        .await
+        .unwrap_err();
+    let text = refused.to_string();
+    for part in ["45.0 days", "30.0 days", "max_age", "--force-short-ttl"] {
+        assert!(text.contains(part), "{part} missing from: {text}");
+    }
+    run(InboxConfig::default()
+        .with_ttl(30 * DAY)
+        .with_ttl_below_retention_allowed(true))
+    .await
+    .expect("the inbox allows a shorter TTL: orchestrate runs and stops cleanly");
+}
+
 #[tokio::test]
 /// A server restarted by its operator (SIGTERM, then started on the same store).
 async fn a_server_restarted_under_a_running_consumer_loses_nothing_and_applies_once() {

@@ -220,8 +220,9 @@ enum Command {
         // Queue type, TTL and where the queues' retention is read.
         #[command(flatten)]
         broker: args::BrokerArgs,
-        /// Start even when a start queue keeps messages longer than the inbox ttl (30
-        /// days), or without limit (logged as a warning).
+        /// Start even when a start queue (RabbitMQ) or start stream (JetStream) keeps
+        /// messages longer than the inbox ttl (30 days), or without limit (logged as a
+        /// warning).
         #[arg(long)]
         force_short_ttl: bool,
     },
@@ -680,9 +681,12 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                     usage_error("orchestrate", format_args!("--transport: {error}"))
                 });
             let mut transport = broker.apply(transport);
+            // One inbox for the orchestrators and for the check of what the broker keeps:
+            // over RabbitMQ the queues are checked against the config's, over JetStream
+            // the streams against the orchestrators' own.
+            let inbox = InboxConfig::default().with_ttl_below_retention_allowed(force_short_ttl);
             if let sagabox::transport::Transport::Amqp(amqp) = &mut transport {
-                amqp.retention_check =
-                    Some(InboxConfig::default().with_ttl_below_retention_allowed(force_short_ttl));
+                amqp.retention_check = Some(inbox.clone());
             }
             if let Err(error) = transport.validate() {
                 usage_error("orchestrate", format_args!("--transport: {error}"));
@@ -696,6 +700,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                 resume_interval: Duration::from_millis(resume_interval_ms),
                 history_retention: (history_retention_days > 0)
                     .then(|| Duration::from_secs(history_retention_days.saturating_mul(86_400))),
+                inbox,
             };
             orchestrate::run(&database_url, config, interrupted())
                 .await

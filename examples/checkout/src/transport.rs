@@ -383,6 +383,7 @@ where
             transport: config.transport.clone(),
             resume_interval: config.resume_interval,
             history_retention: Some(sagabox::saga::DEFAULT_HISTORY_RETENTION),
+            inbox: sagabox::InboxConfig::default(),
         };
         orchestrate(store.clone(), orchestrate_config, stopped(stop_rx)).await
     };
