@@ -475,7 +475,7 @@ timeout = "5s"
 "#;
     let (pg, js) = (Pg::new().await, Js::new(&["ping.start", "pong"]).await);
     stream_kept_for(&js, "ping.start", 45 * DAY).await;
-    let run = |inbox: InboxConfig| {
+    let run = async |inbox: InboxConfig| {
         let config = sagabox::orchestrate::OrchestrateConfig {
             definitions: vec![sagabox::saga::SagaDefinition::from_toml_str(SAGA).unwrap()],
             transport: js.config.clone().into(),
@@ -483,19 +483,23 @@ timeout = "5s"
             history_retention: None,
             inbox,
         };
-        let store = pg.store(4);
-        async move {
-            sagabox::orchestrate::orchestrate(
-                store.await,
-                config,
-                tokio::time::sleep(Duration::from_secs(1)),
-            )
-            .await
-        }
+        let stop = tokio::time::sleep(Duration::from_secs(1));
+        sagabox::orchestrate::orchestrate(pg.store(4).await, config, stop).await
     };
     let refused = run(InboxConfig::default().with_ttl(30 * DAY))
         .await
         .unwrap_err();
+    assert!(
+        matches!(
+            refused,
+            sagabox::orchestrate::OrchestrateError::Transport(
+                sagabox::transport::TransportError::Nats(NatsError::Retention(
+                    RetentionError::LongerThanTtl { .. }
+                ))
+            )
+        ),
+        "{refused}"
+    );
     let text = refused.to_string();
     for part in ["45.0 days", "30.0 days", "max_age", "--force-short-ttl"] {
         assert!(text.contains(part), "{part} missing from: {text}");

@@ -119,8 +119,9 @@ fn partition_name(month: Month) -> String {
 /// Tries the key's advisory lock (`$1`, `$2`) and looks up its first delivery (`$3`,
 /// `$4`) in one statement: one row, `locked` and the first delivery's columns or NULLs.
 /// The claim of a key without its own bucket (after taking the lock) and of a key whose
-/// handler records a result (the row is inserted after it); a claim whose handler
-/// records no result looks with [`claim_counting_sql`] instead.
+/// handler records a result (the row is inserted after it). A key with its own bucket
+/// whose handler records none is claimed by [`claim_fast_sql`], then, if that wrote
+/// nothing, looked up with [`claim_counting_sql`].
 ///
 /// The try and the lookup share the statement's snapshot: a delivery that commits
 /// between the two stays unseen. That is why a claim without its own bucket, whose row
