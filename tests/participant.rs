@@ -453,7 +453,7 @@ async fn shutdown_finishes_and_acks_the_deliveries_in_flight() {
     assert_eq!(rabbit.ready(&rabbit.dead_queue("ledger")).await, 0);
 }
 
-/// One worker; its handler panics on the first command it gets. The factory replaces
+/// One worker; its handler panics on the first command it gets. The pool replaces
 /// the worker, which serves the other command; the first is requeued by the consumer
 /// and applied on its second delivery. The participant goes on: a worker's crash is not
 /// the pool's death.

@@ -12,6 +12,7 @@ use std::time::Duration;
 use sagabox::step::{
     StepError, StepFailure, StepHandler, StepOutcome, StepPool, StepPoolConfig, StepReply,
 };
+use sagabox::supervisor::Supervision;
 use sagabox::{ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId};
 use serde_json::{Value, json};
 use tokio::sync::Notify;
@@ -230,6 +231,51 @@ macro_rules! step_suite {
                 assert_eq!(fx.inbox_rows().await, 5);
                 assert!(pool.deliver_batch(Vec::new(), WAIT).await.unwrap().is_empty());
                 pool.stop().await;
+            }
+
+            /// Stopping the pool (here through its supervision) lets the command a
+            /// worker runs finish and be answered, answers the one waiting in the queue
+            /// at once (retryable: its sender still holds it), and a pool that stopped
+            /// answers a new command at once too, never a hang.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn stopping_finishes_the_running_command_and_answers_the_waiting_one() {
+                let fx = <$fixture>::new().await;
+                fx.exec(EFFECTS_DDL).await;
+                let step = TestStep::new();
+                let supervision = Supervision::start().await.unwrap();
+                let guard = InboxGuard::new(fx.store(2).await, InboxConfig::default()).unwrap();
+                let pool = Arc::new(
+                    StepPool::spawn_supervised(guard, ConsumerType::new("payment").unwrap(), Handler(step.clone()), StepPoolConfig { workers: 1 }, &supervision)
+                        .await
+                        .unwrap(),
+                );
+                let deliver = |id: &'static str, kind: &'static str| {
+                    let pool = Arc::clone(&pool);
+                    tokio::spawn(async move { pool.deliver(command(id, kind), WAIT).await })
+                };
+                let running = deliver("held", "slow");
+                common::wait_for("the worker busy", async || step.calls.load(Ordering::SeqCst) == 1).await;
+                let waiting = deliver("queued", "apply");
+                common::wait_for("a command waiting", async || pool.waiting() == 1).await;
+                let stopping = tokio::spawn(supervision.stop());
+
+                match tokio::time::timeout(Duration::from_secs(5), waiting).await.expect("answered at once").unwrap() {
+                    Err(StepFailure::Retryable(reason)) => assert!(reason.contains("stopping"), "{reason}"),
+                    other => panic!("expected a retryable failure, got {other:?}"),
+                }
+                assert!(!stopping.is_finished(), "the stop waits for the running command");
+                step.release.notify_one();
+                assert_eq!(
+                    running.await.unwrap(),
+                    Ok(StepReply { outcome: StepOutcome::Done(json!({"applied": "held"})), duplicate: false })
+                );
+                stopping.await.unwrap();
+                match tokio::time::timeout(Duration::from_secs(5), pool.deliver(command("late", "apply"), WAIT)).await.expect("answered at once") {
+                    Err(StepFailure::Retryable(reason)) => assert!(reason.contains("not running"), "{reason}"),
+                    other => panic!("expected a retryable failure, got {other:?}"),
+                }
+                assert_eq!(step.calls.load(Ordering::SeqCst), 1, "neither the queued nor the late command ran");
+                assert_eq!(effects(&fx).await, 1);
             }
 
             $($extra)*
