@@ -9,10 +9,11 @@
 //!   input dead-lettered, retryable failures redelivered; a JetStream stream's retention
 //!   checked against the inbox TTL first);
 //! - every delivery is handed to the step's [`StepPool`] — competing worker actors
-//!   pulling from one queue, their pool linked to one [`Supervision`] — and the consumer awaits the pool's answer
-//!   before it acks and replies to `reply_to`. In-flight work is therefore bounded by the
-//!   broker's prefetch ([`Transport::prefetch`]): the broker's queue is the one queue.
-//!   The pool's own queue, unbounded in a plain [`StepPool`], is capped at the prefetch
+//!   pulling from one queue, their pool linked to one [`Supervision`] — and the
+//!   consumer awaits the pool's answer before it acks and replies to `reply_to`.
+//!   In-flight work is therefore bounded by the broker's prefetch
+//!   ([`Transport::prefetch`]): the broker's queue is the one queue. The pool's own
+//!   queue, unbounded in a plain [`StepPool`], is capped at the prefetch
 //!   ([`StepPool::spawn_bounded`]), so commands left behind by deliveries that timed out
 //!   cannot pile up in it either.
 //!
