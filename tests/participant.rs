@@ -735,9 +735,16 @@ async fn the_metrics_endpoint_counts_the_hosted_steps_messages() {
 
 /// The step pool's own queue is bounded when asked (the participant bounds it by the
 /// prefetch): with its one worker busy and one command waiting, the next is answered at
-/// once with a retryable failure instead of queueing behind them.
+/// once with a retryable failure instead of queueing behind them. A limit of 0 is taken
+/// as 1 (a command always waits in the queue until a worker takes it).
 #[tokio::test]
 async fn a_bounded_pool_answers_at_once_when_its_queue_is_full() {
+    for queue_limit in [1, 0] {
+        bounded_pool_with_one_waiting(queue_limit).await;
+    }
+}
+
+async fn bounded_pool_with_one_waiting(queue_limit: usize) {
     let lite = Lite::new().await;
     lite.exec(TABLES).await;
     let (open, gate) = watch::channel(false);
@@ -754,7 +761,7 @@ async fn a_bounded_pool_answers_at_once_when_its_queue_is_full() {
             ConsumerType::new("ledger").unwrap(),
             ledger,
             StepPoolConfig { workers: 1 },
-            1,
+            queue_limit,
             &supervision,
         )
         .await

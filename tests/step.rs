@@ -274,7 +274,15 @@ macro_rules! step_suite {
                     Err(StepFailure::Retryable(reason)) => assert!(reason.contains("not running"), "{reason}"),
                     other => panic!("expected a retryable failure, got {other:?}"),
                 }
-                assert_eq!(step.calls.load(Ordering::SeqCst), 1, "neither the queued nor the late command ran");
+                let late_batch = tokio::time::timeout(Duration::from_secs(5), pool.deliver_batch(vec![command("late-1", "apply"), command("late-2", "apply")], WAIT))
+                    .await
+                    .expect("answered at once")
+                    .expect("each envelope answered");
+                assert_eq!(late_batch.len(), 2);
+                for answer in late_batch {
+                    assert!(matches!(&answer, Err(StepFailure::Retryable(reason)) if reason.contains("not running")), "{answer:?}");
+                }
+                assert_eq!(step.calls.load(Ordering::SeqCst), 1, "neither the queued nor the late commands ran");
                 assert_eq!(effects(&fx).await, 1);
             }
 

@@ -38,7 +38,7 @@ impl Default for StepPoolConfig {
 
 /// The pool's actor takes no messages: it only supervises.
 #[derive(Debug)]
-pub(super) enum PoolMessage {}
+enum PoolMessage {}
 
 /// The pool's actor: the supervisor of its workers.
 struct Pool<S, H> {
@@ -275,8 +275,9 @@ impl StepPool {
     /// [`StepFailure`] and the others their answers. Safe to call again with the same
     /// envelopes at any time.
     ///
-    /// `Err` when no answer came at all (timeout, pool stopped); an empty batch answers
-    /// at once.
+    /// `Err` when no answer came at all (a timeout, or the worker died with the batch);
+    /// a full queue or a stopped pool answers every envelope with
+    /// [`StepFailure::Retryable`] at once, and an empty batch answers at once.
     ///
     /// Unlike [`StepPool::deliver`], the caller's trace context is not added: a batch
     /// gathers commands of several senders, and each worker span continues the context
