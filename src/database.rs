@@ -69,6 +69,41 @@ pub enum ConnectError {
         #[source]
         source: sqlx::Error,
     },
+    /// A TLS file named in the URL (`sslrootcert`, `sslcert`, `sslkey`) or by `PGSSL…`
+    /// cannot be used.
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
+    /// The TLS session with PostgreSQL could not be set up: the server's certificate was
+    /// refused, or the server does not speak TLS where `sslmode` requires it.
+    #[error("TLS to PostgreSQL at {host}:{port} ({url}) failed: {reason}")]
+    PostgresTls {
+        /// The URL, password redacted.
+        url: String,
+        /// The host connected to.
+        host: String,
+        /// The port.
+        port: u16,
+        /// What was refused, and what to change.
+        reason: String,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// PostgreSQL did not finish the connection's opening in time.
+    #[error(
+        "cannot connect to PostgreSQL at {host}:{port} ({url}): no answer within {after:?}; is \
+         the host right, and does a PostgreSQL server (not another service) listen there?"
+    )]
+    PostgresTimeout {
+        /// The URL, password redacted.
+        url: String,
+        /// The host connected to.
+        host: String,
+        /// The port.
+        port: u16,
+        /// How long it waited.
+        after: std::time::Duration,
+    },
     /// PostgreSQL could not be reached, or refused the connection.
     #[error("cannot connect to PostgreSQL at {host}:{port} ({url}): {reason}")]
     Postgres {
@@ -90,9 +125,15 @@ impl ConnectError {
     /// The error of opening the database at `url`, from the driver's `error`.
     pub(crate) fn new(url: &str, error: sqlx::Error) -> Self {
         if let sqlx::Error::Configuration(reason) = &error {
+            let mut reason = reason.to_string();
+            if reason.contains("ssl_mode") {
+                reason.push_str(
+                    ": sslmode is one of disable, allow, prefer, require, verify-ca, verify-full",
+                );
+            }
             return ConnectError::InvalidUrl {
                 url: redact(url),
-                reason: reason.to_string(),
+                reason,
             };
         }
         #[cfg(feature = "postgres")]
@@ -102,6 +143,32 @@ impl ConnectError {
                 |_| (String::from("?"), 0),
                 |options| (options.get_host().to_owned(), options.get_port()),
             );
+            // rustls's refusals reach sqlx as TLS errors, or (during the handshake) as
+            // I/O errors of kind InvalidData.
+            let tls_words = match &error {
+                sqlx::Error::Tls(tls) => Some(tls.to_string()),
+                sqlx::Error::Io(io) if io.kind() == std::io::ErrorKind::InvalidData => {
+                    Some(io.to_string())
+                }
+                _ => None,
+            };
+            if let Some(words) = tls_words {
+                let advice = crate::tls::handshake_advice(
+                    &words,
+                    &host,
+                    "sslrootcert",
+                    Some("sslmode=verify-ca"),
+                );
+                return ConnectError::PostgresTls {
+                    url: redact(url),
+                    reason: advice.unwrap_or_else(|| {
+                        format!("{words}; check sslmode, sslrootcert, sslcert and sslkey")
+                    }),
+                    host,
+                    port,
+                    source: error,
+                };
+            }
             let reason = match &error {
                 sqlx::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => {
                     "connection refused: is PostgreSQL running there, and are the host and port right?"
@@ -124,6 +191,81 @@ impl ConnectError {
             source: error,
         }
     }
+}
+
+/// The connection options a `postgres://` URL gives, its TLS files (`sslrootcert`,
+/// `sslcert`, `sslkey`, or `PGSSLROOTCERT`, `PGSSLCERT`, `PGSSLKEY`) read and checked
+/// first, so a missing or malformed file is named before anything connects.
+#[cfg(feature = "postgres")]
+pub(crate) fn postgres_options(
+    url: &str,
+) -> Result<sqlx::postgres::PgConnectOptions, ConnectError> {
+    use std::str::FromStr;
+    let options = sqlx::postgres::PgConnectOptions::from_str(url)
+        .map_err(|error| ConnectError::new(url, error))?;
+    let files = postgres_tls_files(url);
+    if !files.is_empty() {
+        let server = format!(
+            "PostgreSQL at {}:{}",
+            options.get_host(),
+            options.get_port()
+        );
+        files.load(&server, ("sslcert", "sslkey"))?;
+    }
+    Ok(options)
+}
+
+/// How long opening one PostgreSQL connection (TCP, TLS, authentication) may take.
+#[cfg(feature = "postgres")]
+const POSTGRES_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// Opens one connection with `options` (from `url`), or says why not within
+/// [`POSTGRES_CONNECT_TIMEOUT`]: a server that accepts the TCP connection and never
+/// answers (another service on the port, a firewall that swallows packets) is an error,
+/// not a hang.
+#[cfg(feature = "postgres")]
+pub(crate) async fn connect_postgres(
+    url: &str,
+    options: &sqlx::postgres::PgConnectOptions,
+) -> Result<sqlx::PgConnection, ConnectError> {
+    use sqlx::Connection;
+    match tokio::time::timeout(
+        POSTGRES_CONNECT_TIMEOUT,
+        sqlx::PgConnection::connect_with(options),
+    )
+    .await
+    {
+        Ok(opened) => opened.map_err(|error| ConnectError::new(url, error)),
+        Err(_) => Err(ConnectError::PostgresTimeout {
+            url: redact(url),
+            host: options.get_host().to_owned(),
+            port: options.get_port(),
+            after: POSTGRES_CONNECT_TIMEOUT,
+        }),
+    }
+}
+
+/// The TLS files a PostgreSQL URL names, in libpq's names and sqlx's aliases, else in
+/// libpq's environment variables, as sqlx reads them.
+#[cfg(feature = "postgres")]
+fn postgres_tls_files(url: &str) -> crate::tls::TlsFiles {
+    let mut files = crate::tls::TlsFiles {
+        ca_file: std::env::var_os("PGSSLROOTCERT").map(PathBuf::from),
+        cert_file: std::env::var_os("PGSSLCERT").map(PathBuf::from),
+        key_file: std::env::var_os("PGSSLKEY").map(PathBuf::from),
+    };
+    let query = url.split_once('?').map_or("", |(_, query)| query);
+    for pair in query.split('&') {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let path = || Some(PathBuf::from(crate::tls::percent_decode(value)));
+        match name {
+            "sslrootcert" | "ssl-root-cert" | "ssl-ca" => files.ca_file = path(),
+            "sslcert" | "ssl-cert" => files.cert_file = path(),
+            "sslkey" | "ssl-key" => files.key_file = path(),
+            _ => {}
+        }
+    }
+    files
 }
 
 /// The file an `sqlite:` URL names; `None` for an in-memory database or a URL that does

@@ -258,6 +258,7 @@ impl Envelope {
 
     /// A copy of everything but the payload: what a reply is built from, without the
     /// cost of copying a command's body.
+    #[cfg(any(feature = "rabbitmq", feature = "nats"))]
     pub(crate) fn without_payload(&self) -> Envelope {
         Envelope {
             id: self.id.clone(),

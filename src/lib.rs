@@ -94,6 +94,8 @@
 //! - [`logging`]: how the library's log events carry lists ([`json_list`](logging::json_list)).
 //! - [`trace`]: W3C trace context in the envelope's headers, so one saga is one trace
 //!   across processes (bridged to OpenTelemetry with feature `otel`).
+//! - [`tls`]: [`TlsFiles`](tls::TlsFiles) — the CA and client certificate a connection
+//!   trusts and presents, read and checked before connecting; [`TlsError`](tls::TlsError).
 //! - [`month`]: [`Month`], the partition unit; [`clock`]: [`Clock`], injectable time.
 //! - [`database`]: opening a store from a URL, migrating and pruning by URL, the typed
 //!   connection errors; [`redact`](database::redact) for logs.
@@ -154,6 +156,7 @@ pub mod step;
 pub mod store;
 pub mod supervisor;
 pub mod testing;
+pub mod tls;
 pub mod trace;
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub mod transport;

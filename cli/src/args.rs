@@ -113,9 +113,19 @@ pub fn database_url(url: &str) -> Result<String, ArgError> {
         Ok(Backend::Postgres) => {
             use std::str::FromStr;
             sqlx::postgres::PgConnectOptions::from_str(url).map_err(|error| {
+                let mut reason = match &error {
+                    sqlx::Error::Configuration(reason) => reason.to_string(),
+                    other => other.to_string(),
+                };
+                if reason.contains("ssl_mode") {
+                    reason = format!(
+                        "{reason}: sslmode is one of disable, allow, prefer, require, \
+                         verify-ca, verify-full"
+                    );
+                }
                 ArgError::InvalidUrl {
                     url: redact(url),
-                    reason: scrub(&error.to_string(), url),
+                    reason: scrub(&reason, url),
                 }
             })?;
             Ok(url.to_owned())

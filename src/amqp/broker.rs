@@ -2,6 +2,7 @@
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use lapin::{Confirmation, PublisherConfirm};
@@ -10,20 +11,30 @@ use super::codec;
 use super::config::{AmqpConfig, AmqpError, QueueType};
 use crate::database::redact;
 use crate::envelope::{ConsumerType, Envelope};
+use crate::tls::TlsFiles;
 
 /// Opens a connection to the broker in `config`, named `<prefix>/<role>` in the broker's
 /// connection list (`rabbitmqctl list_connections user_provided_name`).
 pub async fn connect(config: &AmqpConfig, role: &str) -> Result<Connection, AmqpError> {
     let properties = ConnectionProperties::default()
         .with_connection_name(format!("{}/{role}", config.queue_prefix).into());
+    let tls = config.load_tls()?;
+    let tls = OwnedTLSConfig {
+        identity: tls.identity.map(|identity| OwnedIdentity::PKCS8 {
+            pem: identity.cert_pem,
+            key: identity.key_pem,
+        }),
+        cert_chain: tls.ca_pem,
+    };
+    let (url, _) = TlsFiles::split_url(&config.url);
+    let runtime = lapin::runtime::default_runtime().map_err(|error| {
+        AmqpError::Config(format!("cannot start lapin's runtime on tokio: {error}"))
+    })?;
     let opening = async {
         probe(config).await?;
-        Connection::connect(&config.url, properties)
+        Connection::connect_with_config(&url, properties, tls, runtime)
             .await
-            .map_err(|source| AmqpError::Connect {
-                url: redact(&config.url),
-                source,
-            })
+            .map_err(|source| connect_error(config, source))
     };
     tokio::time::timeout(CONNECT_TIMEOUT, opening)
         .await
@@ -33,6 +44,29 @@ pub async fn connect(config: &AmqpConfig, role: &str) -> Result<Connection, Amqp
                 after: CONNECT_TIMEOUT,
             })
         })
+}
+
+/// lapin's error of opening a connection: a TLS failure on an `amqps://` URL said as one,
+/// with what to change.
+fn connect_error(config: &AmqpConfig, source: lapin::Error) -> AmqpError {
+    if config.is_tls() {
+        let host = config
+            .url
+            .parse::<lapin::uri::AMQPUri>()
+            .map(|uri| uri.authority.host)
+            .unwrap_or_default();
+        let reason = crate::tls::handshake_advice(&source.to_string(), &host, "cacertfile", None);
+        if let Some(reason) = reason {
+            return AmqpError::TlsHandshake {
+                url: redact(&config.url),
+                reason,
+            };
+        }
+    }
+    AmqpError::Connect {
+        url: redact(&config.url),
+        source,
+    }
 }
 
 /// How long opening a connection (the TCP probe, then lapin's TCP connection and the AMQP

@@ -10,6 +10,7 @@ use crate::database::redact;
 use crate::envelope::{ConsumerType, validate_key};
 use crate::inbox::InboxConfig;
 use crate::retention::RetentionError;
+use crate::tls::{LoadedTls, TlsError, TlsFiles};
 
 /// How sagabox declares the durable queue of a consumer type.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -58,7 +59,11 @@ impl FromStr for QueueType {
 /// How to reach RabbitMQ and how consumers behave.
 #[derive(Debug, Clone)]
 pub struct AmqpConfig {
-    /// `amqp://user:password@host:port/vhost` (the default vhost is `%2f`).
+    /// `amqp://user:password@host:port/vhost` (the default vhost is `%2f`), or
+    /// `amqps://…` for TLS (port 5671 unless given). A TLS URL may name, in its query as
+    /// RabbitMQ's URI specification does, a CA file to trust beside the system's roots
+    /// (`cacertfile=/path/ca.pem`) and a client certificate (`certfile=…&keyfile=…`), all
+    /// PEM; see [`TlsFiles`](crate::tls::TlsFiles).
     pub url: String,
     /// Queues are named `<prefix>.<consumer_type>` and `<prefix>.<consumer_type>.dead`.
     /// Defaults to `sagabox`; a test or a second environment on one broker uses its own.
@@ -84,9 +89,12 @@ pub struct AmqpConfig {
     /// [`InboxConfig::broker_retention`]. Defaults to 14 days
     /// (`InboxConfig::default().broker_retention`).
     pub message_ttl: Option<Duration>,
-    /// The management HTTP API, `http://host:port`, where a queue's real retention (its
-    /// arguments and policies) is read. The credentials and the vhost are the AMQP URL's.
-    /// Defaults to `None`: the AMQP URL's host on port 15672.
+    /// The management HTTP API, `http://host:port` or `https://host[:port]`, where a
+    /// queue's real retention (its arguments and policies) is read. The credentials and
+    /// the vhost are the AMQP URL's; over HTTPS it trusts what the AMQP URL's TLS trusts
+    /// (its `cacertfile`) and presents its client certificate. Defaults to `None`: the
+    /// AMQP URL's host on port 15672 (`http`), or on 15671 (`https`) for an `amqps://` URL.
+    /// Managed brokers (Amazon MQ, CloudAMQP) serve it on `https://host` (port 443).
     pub management_url: Option<String>,
     /// When the management API cannot be reached, take the queue's retention to be the
     /// `x-message-ttl` declared ([`message_ttl`](Self::message_ttl)) instead of refusing
@@ -138,8 +146,8 @@ impl AmqpConfig {
         self
     }
 
-    /// The management API's base URL, `http://host:port`: the configured one, or the
-    /// AMQP URL's host on port 15672.
+    /// The management API's base URL: the configured one, or the AMQP URL's host on port
+    /// 15672 (`http://`), or 15671 (`https://`) for an `amqps://` URL.
     pub fn management_base(&self) -> String {
         if let Some(url) = &self.management_url {
             return url.trim_end_matches('/').to_owned();
@@ -149,7 +157,36 @@ impl AmqpConfig {
             .parse::<lapin::uri::AMQPUri>()
             .map(|uri| uri.authority.host)
             .unwrap_or_else(|_| "127.0.0.1".to_owned());
-        format!("http://{host}:15672")
+        if self.is_tls() {
+            format!("https://{host}:15671")
+        } else {
+            format!("http://{host}:15672")
+        }
+    }
+
+    /// Whether the URL is `amqps://`.
+    pub fn is_tls(&self) -> bool {
+        self.url.starts_with("amqps://")
+    }
+
+    /// The TLS files the URL's query names (`cacertfile`, `certfile`, `keyfile`).
+    pub fn tls_files(&self) -> TlsFiles {
+        TlsFiles::split_url(&self.url).1
+    }
+
+    /// "RabbitMQ at host:port", for messages.
+    pub(crate) fn server(&self) -> String {
+        match self.url.parse::<lapin::uri::AMQPUri>() {
+            Ok(uri) => format!("RabbitMQ at {}:{}", uri.authority.host, uri.authority.port),
+            Err(_) => format!("RabbitMQ at {}", redact(&self.url)),
+        }
+    }
+
+    /// The URL's TLS files, read and checked (none for a plain `amqp://` URL).
+    pub(crate) fn load_tls(&self) -> Result<LoadedTls, AmqpError> {
+        Ok(self
+            .tls_files()
+            .load(&self.server(), ("certfile", "keyfile"))?)
     }
 
     /// Uses `prefix` for queue names.
@@ -166,6 +203,15 @@ impl AmqpConfig {
                 redact(&self.url)
             )));
         }
+        let files = self.tls_files();
+        if !files.is_empty() && !self.is_tls() {
+            return Err(AmqpError::Config(format!(
+                "the broker URL {} names TLS files but is not amqps://: use amqps:// (port 5671) \
+                 for TLS, or drop cacertfile, certfile and keyfile",
+                redact(&self.url)
+            )));
+        }
+        self.load_tls()?;
         validate_key("queue prefix", &self.queue_prefix)
             .map_err(|error| AmqpError::Config(error.to_string()))?;
         if self.queue_prefix.len() > 200 {
@@ -198,10 +244,10 @@ impl AmqpConfig {
             )));
         }
         if let Some(url) = &self.management_url
-            && !url.starts_with("http://")
+            && !(url.starts_with("http://") || url.starts_with("https://"))
         {
             return Err(AmqpError::Config(format!(
-                "the management API URL {} is not http://host:port",
+                "the management API URL {} is not http://host:port or https://host[:port]",
                 redact(url)
             )));
         }
@@ -253,6 +299,18 @@ pub enum AmqpError {
         url: String,
         /// The cause.
         source: std::io::Error,
+    },
+    /// A TLS file named in the URL cannot be used.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    /// The TLS session with the broker could not be set up: its certificate was refused,
+    /// or it does not speak TLS on that port.
+    #[error("TLS to RabbitMQ at {url} failed: {reason}")]
+    TlsHandshake {
+        /// The URL, password redacted.
+        url: String,
+        /// What was refused, and what to change.
+        reason: String,
     },
     /// The broker did not complete the connection in time.
     #[error("RabbitMQ at {url} did not accept the connection within {after:?}")]

@@ -221,14 +221,21 @@ impl Api {
             .url
             .parse()
             .map_err(|reason: String| AmqpError::Config(format!("the broker URL: {reason}")))?;
+        let failed = |reason: String| AmqpError::Management {
+            url: base.clone(),
+            queue: queue.to_owned(),
+            reason,
+        };
+        // Always handed a configuration: reqwest is built without a crypto provider of
+        // its own. Over HTTPS the API trusts and presents what the AMQP URL's TLS does.
+        let tls = config
+            .load_tls()?
+            .client_config(&format!("the management API at {base}"))?;
         let client = reqwest::Client::builder()
             .timeout(REQUEST_TIMEOUT)
+            .tls_backend_preconfigured(tls)
             .build()
-            .map_err(|error| AmqpError::Management {
-                url: base.clone(),
-                queue: queue.to_owned(),
-                reason: format!("cannot build an HTTP client: {error}"),
-            })?;
+            .map_err(|error| failed(format!("cannot build an HTTP client: {error}")))?;
         Ok(Self {
             client,
             base,
@@ -251,7 +258,19 @@ impl Api {
             .basic_auth(&self.user, Some(&self.password))
             .send()
             .await
-            .map_err(|error| failed(format!("no answer ({error})")))?;
+            .map_err(|error| {
+                let words = chain(&error);
+                let host = error
+                    .url()
+                    .and_then(|url| url.host_str().map(str::to_owned))
+                    .unwrap_or_default();
+                match crate::tls::handshake_advice(&words, &host, "cacertfile", None) {
+                    Some(advice) if self.base.starts_with("https://") => {
+                        failed(format!("no answer over HTTPS: {advice}"))
+                    }
+                    _ => failed(format!("no answer ({words})")),
+                }
+            })?;
         let status = response.status();
         if status == reqwest::StatusCode::UNAUTHORIZED {
             return Err(failed(
@@ -275,6 +294,19 @@ impl Api {
         serde_json::from_slice(&body)
             .map_err(|error| failed(format!("the answer to /api/{path} is not JSON ({error})")))
     }
+}
+
+/// `error` and each of its sources, joined: reqwest's own words ("error sending
+/// request") hide the cause (a refused certificate, a refused connection).
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut words = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        words.push_str(": ");
+        words.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    words
 }
 
 /// A TTL in milliseconds, as the API gives it.
@@ -309,6 +341,8 @@ mod tests {
 
     #[test]
     fn the_management_url_defaults_to_the_brokers_host() {
+        let config = AmqpConfig::new("amqps://guest:guest@rabbit.internal/%2f?cacertfile=ca.pem");
+        assert_eq!(config.management_base(), "https://rabbit.internal:15671");
         let config = AmqpConfig::new("amqp://guest:guest@rabbit.internal:5672/%2f");
         assert_eq!(config.management_base(), "http://rabbit.internal:15672");
         let mut config = config;

@@ -1,13 +1,10 @@
 //! The figures of `inspect` from PostgreSQL, in one read-only snapshot.
 
-use std::str::FromStr;
-
 use chrono::{DateTime, Datelike, NaiveDate, Utc};
-use sqlx::postgres::{PgConnectOptions, PgConnection};
+use sqlx::postgres::PgConnection;
 use sqlx::{Connection, Row};
 
 use super::{DuplicateReport, Facts, InspectError, SagaRow, database_error, merge_duplicates};
-use crate::database::ConnectError;
 use crate::database::redact;
 use crate::month::Month;
 use crate::store::PARTITION_PREFIX;
@@ -15,12 +12,8 @@ use crate::store::PARTITION_PREFIX;
 /// Reads every figure; `windows` are the starts of the last hour and the last day.
 pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Facts, InspectError> {
     let failed = database_error(url);
-    let options = PgConnectOptions::from_str(url)
-        .map_err(|error| ConnectError::new(url, error))?
-        .application_name("sagabox-inspect");
-    let mut conn = PgConnection::connect_with(&options)
-        .await
-        .map_err(|error| ConnectError::new(url, error))?;
+    let options = crate::database::postgres_options(url)?.application_name("sagabox-inspect");
+    let mut conn = crate::database::connect_postgres(url, &options).await?;
     check_migrated(url, &mut conn).await?;
     // One snapshot: the partitions, their rows and the sagas all agree with each other.
     let mut tx = conn

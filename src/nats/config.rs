@@ -7,6 +7,7 @@ use std::time::Duration;
 use crate::database::redact;
 use crate::envelope::{ConsumerType, validate_key};
 use crate::retention::RetentionError;
+use crate::tls::{LoadedTls, TlsError, TlsFiles};
 
 /// How to reach NATS and how JetStream consumers behave.
 ///
@@ -17,7 +18,11 @@ use crate::retention::RetentionError;
 /// `<prefix>.<consumer_type>.dead` that keeps its messages until an operator takes them.
 #[derive(Debug, Clone)]
 pub struct NatsConfig {
-    /// `nats://host:port` (or `nats://user:password@host:port`).
+    /// `nats://host:port` (or `nats://user:password@host:port`), or `tls://host:port`
+    /// to require TLS (a `nats://` connection also turns to TLS when the server requires
+    /// it). The query may name a CA file to trust beside the system's roots
+    /// (`cacertfile=/path/ca.pem`) and a client certificate (`certfile=…&keyfile=…`),
+    /// all PEM, in the names RabbitMQ's URLs use; see [`TlsFiles`](crate::tls::TlsFiles).
     pub url: String,
     /// Subjects are `<prefix>.<consumer_type>`, streams `<prefix>_<consumer_type>`.
     /// Defaults to `sagabox`; a test or a second environment on one server uses its own.
@@ -70,6 +75,39 @@ impl NatsConfig {
         self
     }
 
+    /// The TLS files the URL's query names (`cacertfile`, `certfile`, `keyfile`).
+    pub fn tls_files(&self) -> TlsFiles {
+        TlsFiles::split_url(&self.url).1
+    }
+
+    /// The URL without its TLS files, as the client takes it.
+    pub(crate) fn client_url(&self) -> String {
+        TlsFiles::split_url(&self.url).0
+    }
+
+    /// "NATS at host:port", for messages.
+    pub(crate) fn server(&self) -> String {
+        format!("NATS at {}", self.host_port())
+    }
+
+    /// The URL's `host:port` (the part after the scheme and any credentials).
+    pub(crate) fn host_port(&self) -> String {
+        let url = self.client_url();
+        let rest = url.split_once("://").map_or(url.as_str(), |(_, rest)| rest);
+        let rest = rest.rsplit_once('@').map_or(rest, |(_, rest)| rest);
+        rest.split(['/', '?', '#'])
+            .next()
+            .unwrap_or(rest)
+            .to_owned()
+    }
+
+    /// The URL's TLS files, read and checked.
+    pub(crate) fn load_tls(&self) -> Result<LoadedTls, NatsError> {
+        Ok(self
+            .tls_files()
+            .load(&self.server(), ("certfile", "keyfile"))?)
+    }
+
     /// Checks every field; the error says which and what to do.
     pub fn validate(&self) -> Result<(), NatsError> {
         let config = |reason: String| Err(NatsError::Config(reason));
@@ -79,6 +117,7 @@ impl NatsConfig {
                 redact(&self.url)
             ));
         }
+        self.load_tls()?;
         validate_key("subject prefix", &self.prefix)
             .map_err(|error| NatsError::Config(error.to_string()))?;
         if self
@@ -159,6 +198,18 @@ pub enum NatsError {
         /// The URL, password redacted.
         url: String,
         /// The cause.
+        reason: String,
+    },
+    /// A TLS file named in the URL cannot be used.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    /// The TLS session with the server could not be set up: its certificate was refused,
+    /// or it does not speak TLS.
+    #[error("TLS to NATS at {url} failed: {reason}")]
+    TlsHandshake {
+        /// The URL, password redacted.
+        url: String,
+        /// What was refused, and what to change.
         reason: String,
     },
     /// A JetStream operation failed (JetStream off, a stream of that name with other

@@ -23,17 +23,50 @@ pub const RETENTION_SETTING: &str = "the stream's max_age";
 /// connection list (`nats server report connections`). It reconnects by itself after a
 /// lost connection, without limit.
 pub async fn connect(config: &NatsConfig, role: &str) -> Result<Client, NatsError> {
+    let server = config.server();
+    let tls = config.load_tls()?.client_config(&server)?;
+    let url = config.client_url();
+    // Our own configuration even for a `nats://` URL: a server that requires TLS turns
+    // the connection to TLS, and then it trusts what the URL says to trust.
     let options = ConnectOptions::new()
         .name(format!("{}/{role}", config.prefix))
         .connection_timeout(CONNECT_TIMEOUT)
-        .max_reconnects(None);
-    options
-        .connect(config.url.as_str())
-        .await
-        .map_err(|error| NatsError::Connect {
-            url: redact(&config.url),
-            reason: error.to_string(),
-        })
+        .max_reconnects(None)
+        .tls_client_config(tls)
+        .require_tls(url.starts_with("tls://"));
+    options.connect(url.as_str()).await.map_err(|error| {
+        let words = error_chain(&error);
+        let host = config.host_port();
+        let host = host
+            .rsplit_once(':')
+            .map_or(host.as_str(), |(host, _)| host);
+        match crate::tls::handshake_advice(&words, host, "cacertfile", None) {
+            Some(reason) => NatsError::TlsHandshake {
+                url: redact(&config.url),
+                reason,
+            },
+            None => NatsError::Connect {
+                url: redact(&config.url),
+                reason: words,
+            },
+        }
+    })
+}
+
+/// `error` and each of its sources, joined: async-nats's own words ("tls error") hide
+/// the cause.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut words = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_words = cause.to_string();
+        if !words.contains(&cause_words) {
+            words.push_str(": ");
+            words.push_str(&cause_words);
+        }
+        source = cause.source();
+    }
+    words
 }
 
 /// Checks that `consumer_type` can be a subject token and a stream name.

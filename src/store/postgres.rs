@@ -13,16 +13,15 @@
 //! `docs/partitioning.md` has the reasoning and the measurements.
 
 use std::collections::{HashMap, HashSet};
-use std::str::FromStr;
 use std::time::Duration;
 
 use chrono::{DateTime, NaiveDate, Utc};
 use serde_json::Value;
 use sqlx::migrate::{MigrateError, Migrator};
-use sqlx::postgres::{PgArguments, PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgArguments, PgPool, PgPoolOptions, PgRow};
 use sqlx::query::Query;
 use sqlx::types::Json;
-use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Row, Transaction};
+use sqlx::{AssertSqlSafe, Connection, Postgres, Row, Transaction};
 
 use crate::database::ConnectError;
 use crate::envelope::ConsumerType;
@@ -87,12 +86,9 @@ impl PostgresStore {
     /// error names the host and port (the URL's password redacted).
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, ConnectError> {
         let failed = |error| ConnectError::new(url, error);
-        let options = PgConnectOptions::from_str(url)
-            .map_err(failed)?
-            .application_name("sagabox");
-        PgConnection::connect_with(&options)
-            .await
-            .map_err(failed)?
+        let options = crate::database::postgres_options(url)?.application_name("sagabox");
+        crate::database::connect_postgres(url, &options)
+            .await?
             .close()
             .await
             .map_err(failed)?;

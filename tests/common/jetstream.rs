@@ -159,8 +159,20 @@ impl Drop for Js {
 /// folder, as a server restart does.
 pub struct OwnServer {
     pub port: u16,
+    /// Its HTTP monitoring port (`/connz`, `/varz`).
+    pub monitor_port: u16,
     store: PathBuf,
     child: Option<Child>,
+    /// The certificate and key it serves TLS with (`--tls`), when it does.
+    tls: Option<(String, String)>,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("a free port")
+        .local_addr()
+        .expect("its address")
+        .port()
 }
 
 use std::path::PathBuf;
@@ -168,17 +180,24 @@ use std::path::PathBuf;
 impl OwnServer {
     /// Starts one and waits until it answers.
     pub async fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .expect("a free port")
-            .local_addr()
-            .expect("its address")
-            .port();
+        Self::start_with(None).await
+    }
+
+    /// Starts one that requires TLS (`--tls`) with `cert` and `key`, and waits until its
+    /// monitoring port answers.
+    pub async fn start_tls(cert: &str, key: &str) -> Self {
+        Self::start_with(Some((cert.to_owned(), key.to_owned()))).await
+    }
+
+    async fn start_with(tls: Option<(String, String)>) -> Self {
         let store =
             std::env::temp_dir().join(format!("sagabox-nats-{}", uuid::Uuid::new_v4().simple()));
         let mut server = Self {
-            port,
+            port: free_port(),
+            monitor_port: free_port(),
             store,
             child: None,
+            tls,
         };
         server.restart().await;
         server
@@ -215,10 +234,21 @@ impl OwnServer {
                 "127.0.0.1",
                 "-p",
                 &self.port.to_string(),
+                "-m",
+                &self.monitor_port.to_string(),
                 "-js",
                 "-sd",
             ])
             .arg(&self.store)
+            .args(self.tls.iter().flat_map(|(cert, key)| {
+                [
+                    "--tls",
+                    "--tlscert",
+                    cert.as_str(),
+                    "--tlskey",
+                    key.as_str(),
+                ]
+            }))
             .stdout(Stdio::null())
             .stderr(Stdio::from(
                 std::fs::File::create(self.store.with_extension("log")).expect("server log"),
@@ -232,6 +262,17 @@ impl OwnServer {
             });
         self.child = Some(child);
         for _ in 0..100 {
+            if self.tls.is_some() {
+                // Its clients need the test CA; its monitoring port says it is up.
+                if tokio::net::TcpStream::connect(("127.0.0.1", self.monitor_port))
+                    .await
+                    .is_ok()
+                {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
             let probe = async {
                 let client = async_nats::connect(self.url()).await.ok()?;
                 // JetStream answers a little after the port does.

@@ -64,11 +64,16 @@ pub fn admin_url() -> String {
     std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned())
 }
 
+/// `url` naming `database` instead, its query (`sslmode`, …) kept.
 fn with_database(url: &str, database: &str) -> String {
-    let (base, _) = url
+    let (path, query) = match url.split_once('?') {
+        Some((path, query)) => (path, format!("?{query}")),
+        None => (url, String::new()),
+    };
+    let (base, _) = path
         .rsplit_once('/')
         .expect("DATABASE_URL has a /database part");
-    format!("{base}/{database}")
+    format!("{base}/{database}{query}")
 }
 
 fn unique_name(prefix: &str) -> String {
