@@ -204,82 +204,100 @@ pub async fn prefixed_queues(config: &AmqpConfig) -> Result<Vec<QueueRetention>,
     Ok(queues)
 }
 
+/// The management API's HTTP client: plain HTTP, or HTTPS with sagabox's rustls
+/// configuration.
+type HttpClient = hyper_util::client::legacy::Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    http_body_util::Empty<hyper::body::Bytes>,
+>;
+
 /// Requests to the management API about one queue (named in errors).
 struct Api {
-    client: reqwest::Client,
+    client: HttpClient,
     base: String,
     vhost: String,
-    user: String,
-    password: String,
+    authorization: String,
     queue: String,
 }
 
 impl Api {
     fn new(config: &AmqpConfig, queue: &str) -> Result<Self, AmqpError> {
+        use base64::Engine;
         let base = config.management_base();
         let uri: lapin::uri::AMQPUri = config
             .url
             .parse()
             .map_err(|reason: String| AmqpError::Config(format!("the broker URL: {reason}")))?;
-        let failed = |reason: String| AmqpError::Management {
-            url: base.clone(),
-            queue: queue.to_owned(),
-            reason,
-        };
-        // Always handed a configuration: reqwest is built without a crypto provider of
-        // its own. Over HTTPS the API trusts and presents what the AMQP URL's TLS does.
+        // Over HTTPS the API trusts and presents what the AMQP URL's TLS does.
         let tls = config
             .load_tls()?
             .client_config(&format!("the management API at {base}"))?;
-        let client = reqwest::Client::builder()
-            .timeout(REQUEST_TIMEOUT)
-            .tls_backend_preconfigured(tls)
-            .build()
-            .map_err(|error| failed(format!("cannot build an HTTP client: {error}")))?;
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .build();
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build(connector);
+        let credentials = format!(
+            "{}:{}",
+            uri.authority.userinfo.username, uri.authority.userinfo.password
+        );
         Ok(Self {
             client,
             base,
             vhost: encode(&uri.vhost),
-            user: uri.authority.userinfo.username,
-            password: uri.authority.userinfo.password,
+            authorization: format!(
+                "Basic {}",
+                base64::engine::general_purpose::STANDARD.encode(credentials)
+            ),
             queue: queue.to_owned(),
         })
     }
 
     async fn get(&self, path: &str) -> Result<Value, AmqpError> {
+        use http_body_util::BodyExt;
         let failed = |reason: String| AmqpError::Management {
             url: self.base.clone(),
             queue: self.queue.clone(),
             reason,
         };
-        let response = self
-            .client
-            .get(format!("{}/api/{path}", self.base))
-            .basic_auth(&self.user, Some(&self.password))
-            .send()
-            .await
-            .map_err(|error| {
+        let url = format!("{}/api/{path}", self.base);
+        let request = hyper::Request::get(&url)
+            .header(hyper::header::AUTHORIZATION, &self.authorization)
+            .body(http_body_util::Empty::new())
+            .map_err(|error| failed(format!("{url} is not a URL ({error})")))?;
+        let exchange = async {
+            let response = self.client.request(request).await.map_err(|error| {
                 let words = chain(&error);
-                let host = error
-                    .url()
-                    .and_then(|url| url.host_str().map(str::to_owned))
-                    .unwrap_or_default();
-                match crate::tls::handshake_advice(&words, &host, "cacertfile", None) {
+                match crate::tls::handshake_advice(&words, &self.host(), "cacertfile", None) {
                     Some(advice) if self.base.starts_with("https://") => {
                         failed(format!("no answer over HTTPS: {advice}"))
                     }
                     _ => failed(format!("no answer ({words})")),
                 }
             })?;
-        let status = response.status();
-        if status == reqwest::StatusCode::UNAUTHORIZED {
+            let status = response.status();
+            let body = response
+                .into_body()
+                .collect()
+                .await
+                .map_err(|error| failed(format!("the answer broke off ({error})")))?
+                .to_bytes();
+            Ok::<_, AmqpError>((status, body))
+        };
+        let (status, body) = tokio::time::timeout(REQUEST_TIMEOUT, exchange)
+            .await
+            .map_err(|_| failed(format!("no answer within {REQUEST_TIMEOUT:?}")))??;
+        if status == hyper::StatusCode::UNAUTHORIZED {
             return Err(failed(
                 "it refused the AMQP URL's credentials (401); the user needs the management \
                  or monitoring tag"
                     .to_owned(),
             ));
         }
-        if status == reqwest::StatusCode::NOT_FOUND {
+        if status == hyper::StatusCode::NOT_FOUND {
             return Err(failed(format!(
                 "it does not know /api/{path} (404): the queue or vhost does not exist"
             )));
@@ -287,17 +305,26 @@ impl Api {
         if !status.is_success() {
             return Err(failed(format!("/api/{path} answered {status}")));
         }
-        let body = response
-            .bytes()
-            .await
-            .map_err(|error| failed(format!("the answer broke off ({error})")))?;
         serde_json::from_slice(&body)
             .map_err(|error| failed(format!("the answer to /api/{path} is not JSON ({error})")))
     }
+
+    /// The API's host name, for what a refused certificate means.
+    fn host(&self) -> String {
+        let rest = self
+            .base
+            .split_once("://")
+            .map_or(self.base.as_str(), |(_, rest)| rest);
+        let authority = rest.split('/').next().unwrap_or(rest);
+        authority
+            .rsplit_once(':')
+            .map_or(authority, |(host, _)| host)
+            .to_owned()
+    }
 }
 
-/// `error` and each of its sources, joined: reqwest's own words ("error sending
-/// request") hide the cause (a refused certificate, a refused connection).
+/// `error` and each of its sources, joined: the HTTP client's own words ("client
+/// error (Connect)") hide the cause (a refused certificate, a refused connection).
 fn chain(error: &dyn std::error::Error) -> String {
     let mut words = error.to_string();
     let mut source = error.source();
