@@ -241,6 +241,19 @@ pub fn parallel(text: &str) -> Result<usize, ArgError> {
     Ok(value)
 }
 
+/// Parses a database pool's size: 1 to 1000 connections.
+pub fn pool_size(text: &str) -> Result<u32, ArgError> {
+    let expected = "from 1 to 1000 connections";
+    let value = whole(text, 1, expected)?;
+    u32::try_from(value)
+        .ok()
+        .filter(|value| *value <= 1000)
+        .ok_or_else(|| ArgError::NotACount {
+            value: text.chars().take(64).collect(),
+            expected,
+        })
+}
+
 /// Parses an AMQP prefetch: 1 to 65535 unacknowledged messages (0 would let the broker
 /// send without limit).
 pub fn prefetch(text: &str) -> Result<u16, ArgError> {

@@ -53,6 +53,8 @@ pub(crate) struct ConsoleConfig {
     pub(crate) token: Option<String>,
     /// The inbox settings the inbox page compares the partitions against.
     pub(crate) inspect: InspectOptions,
+    /// The database connections it holds at most.
+    pub(crate) pool_size: u32,
 }
 
 /// Why the console stopped.
@@ -153,7 +155,7 @@ pub(crate) async fn serve(
     stop: impl std::future::Future<Output = ()> + Send + 'static,
     ready: impl FnOnce(SocketAddr),
 ) -> Result<(), ConsoleError> {
-    let db = match open_migrated(&config.database_url, CONNECTIONS).await? {
+    let db = match open_migrated(&config.database_url, config.pool_size).await? {
         Opened::Postgres(store) => Db::Postgres(store),
         Opened::Sqlite(store) => Db::Sqlite(store),
         #[allow(unreachable_patterns)]
@@ -247,6 +249,10 @@ pub(crate) struct ConsoleArgs {
     /// The broker's maximum redelivery window, in days (SQS: 14).
     #[arg(long, default_value_t = 14)]
     pub(crate) broker_retention_days: u64,
+    /// Database connections the console holds at most (a page runs its queries one
+    /// after another; several readers at once each take one).
+    #[arg(long, default_value_t = CONNECTIONS, value_parser = crate::args::pool_size)]
+    pub(crate) db_pool_size: u32,
 }
 
 /// Runs `sagabox console` until `stop`.
@@ -283,6 +289,7 @@ pub(crate) async fn run(
             config: inbox,
             ..InspectOptions::default()
         },
+        pool_size: args.db_pool_size,
     };
     let ready = |addr: SocketAddr| crate::say(format_args!("console at http://{addr}/"));
     serve(config, stop, ready)

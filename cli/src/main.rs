@@ -8,6 +8,7 @@
 mod bench;
 mod console;
 mod dlq;
+mod environment;
 mod orchestrate;
 mod saga;
 
@@ -182,6 +183,11 @@ enum Command {
         /// Serve Prometheus metrics at HOST:PORT while serving (e.g. 127.0.0.1:9464).
         #[arg(long, value_name = "HOST:PORT")]
         metrics_addr: Option<String>,
+        /// Database connections this process holds at most (default: one per step worker,
+        /// plus 4 for the relay, the pruner and setup, plus 16 with the orchestrator role;
+        /// at most 64). Every process counts against the server's max_connections.
+        #[arg(long, value_parser = args::pool_size)]
+        db_pool_size: Option<u32>,
         // The pruner runs a pass at start, then hourly (one instance at a time).
         #[command(flatten)]
         retention: args::RetentionArgs,
@@ -217,6 +223,10 @@ enum Command {
         /// Serve Prometheus metrics at HOST:PORT while running (e.g. 127.0.0.1:9464).
         #[arg(long, value_name = "HOST:PORT")]
         metrics_addr: Option<String>,
+        /// Database connections this process holds at most: the sagas' drivers, the start
+        /// consumers and setup share them.
+        #[arg(long, default_value_t = 16, value_parser = args::pool_size)]
+        db_pool_size: u32,
         // Queue type, TTL and where the queues' retention is read.
         #[command(flatten)]
         broker: args::BrokerArgs,
@@ -420,6 +430,19 @@ fn failed(command: &str, error: impl Display, json: bool) -> ExitCode {
 /// Ends the process as clap does for a usage error (exit status 2): for the values
 /// checked after parsing, whose own messages say what is wrong (and quote URLs redacted,
 /// which clap's would not).
+/// The command line, with the options of [`environment`] read from the environment.
+fn parse() -> Cli {
+    use clap::FromArgMatches;
+    let command = environment::apply(Cli::command(), &|name| std::env::var_os(name))
+        .unwrap_or_else(|error| {
+            Cli::command()
+                .error(ErrorKind::ValueValidation, error)
+                .exit()
+        });
+    let mut matches = command.get_matches();
+    Cli::from_arg_matches_mut(&mut matches).unwrap_or_else(|error| error.exit())
+}
+
 fn usage_error(subcommand: &str, message: impl Display) -> ! {
     let mut cli = Cli::command();
     cli.build();
@@ -504,7 +527,7 @@ fn list(months: &[sagabox::Month]) -> String {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = parse();
     // Checked here rather than by clap, whose message would quote the URL unredacted.
     let database = match &cli.command {
         Command::Demo { database_url, .. } => Some(("demo", database_url)),
@@ -612,6 +635,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             fail_rate,
             seed,
             metrics_addr,
+            db_pool_size,
             retention,
             broker,
         } => {
@@ -648,6 +672,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                 batch: usize::from(batch),
                 inbox,
                 prune_interval: Duration::from_secs(3600),
+                pool_size: db_pool_size,
             };
             sagabox_checkout::serve(&database_url, config, interrupted())
                 .await
@@ -662,6 +687,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             resume_interval_ms,
             history_retention_days,
             metrics_addr,
+            db_pool_size,
             broker,
             force_short_ttl,
         } => {
@@ -702,7 +728,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                     .then(|| Duration::from_secs(history_retention_days.saturating_mul(86_400))),
                 inbox,
             };
-            orchestrate::run(&database_url, config, interrupted())
+            orchestrate::run(&database_url, db_pool_size, config, interrupted())
                 .await
                 .map_err(|error| failed("orchestrate", error, false))?;
             Ok(ExitCode::SUCCESS)
@@ -875,5 +901,39 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             )?;
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_option_of_the_service_and_operator_commands_reads_a_variable() {
+        let mut command = environment::apply(Cli::command(), &|_| None).expect("no files");
+        command.build();
+        for name in environment::FROM_ENVIRONMENT {
+            let sub = command.find_subcommand(name).expect("subcommand");
+            let mut options = 0;
+            for arg in sub.get_arguments() {
+                let Some(long) = arg.get_long() else { continue };
+                if matches!(long, "help" | "version") {
+                    continue;
+                }
+                options += 1;
+                assert!(
+                    arg.get_env().is_some(),
+                    "sagabox {name} --{long} reads no variable"
+                );
+            }
+            assert!(options > 0, "{name}");
+        }
+        let help = command
+            .find_subcommand_mut("serve")
+            .expect("serve")
+            .render_long_help()
+            .to_string();
+        assert!(help.contains("SAGABOX_QUEUE_PREFIX"), "{help}");
+        assert!(help.contains("SAGABOX_TRANSPORT"), "{help}");
     }
 }

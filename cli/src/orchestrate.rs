@@ -7,24 +7,24 @@ use sagabox::amqp::{OrchestrateConfig, OrchestrateError, orchestrate};
 use sagabox::database::Backend;
 use sagabox::{InboxError, PostgresStore, SqliteStore};
 
-/// Connections for the orchestrators' drivers, the start consumers and setup.
-const CONNECTIONS: u32 = 16;
-
-/// Opens the store at `url` and drives `config`'s sagas until `shutdown` resolves.
+/// Opens the store at `url` with a pool of up to `connections` (the orchestrators'
+/// drivers, the start consumers and setup share them) and drives `config`'s sagas until
+/// `shutdown` resolves.
 pub(crate) async fn run(
     url: &str,
+    connections: u32,
     config: OrchestrateConfig,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), OrchestrateError> {
     match Backend::of(url)? {
         Backend::Postgres => {
-            let store = PostgresStore::connect(url, CONNECTIONS)
+            let store = PostgresStore::connect(url, connections)
                 .await
                 .map_err(InboxError::from)?;
             orchestrate(store, config, shutdown).await
         }
         Backend::Sqlite => {
-            let store = SqliteStore::connect(url, CONNECTIONS)
+            let store = SqliteStore::connect(url, connections)
                 .await
                 .map_err(InboxError::from)?;
             orchestrate(store, config, shutdown).await

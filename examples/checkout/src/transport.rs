@@ -264,6 +264,9 @@ pub struct ServeConfig {
     /// Time between the pruner's passes (the first runs at start; one instance at a
     /// time does the work).
     pub prune_interval: Duration,
+    /// The database pool's size; `None`: one connection per step worker, 4 for the
+    /// relay, the pruner and setup, and 16 for the orchestrator's drivers, at most 64.
+    pub pool_size: Option<u32>,
 }
 
 /// Serves `config.roles` (and an orchestrator, if asked) on the database at `url` until
@@ -290,11 +293,13 @@ pub async fn serve(
     // One connection per step worker, the relay's and the pruner's, a few for setup,
     // and the orchestrator's drivers.
     let orchestrator_connections = if config.orchestrator { 16 } else { 0 };
-    let connections = u32::try_from(
-        config.workers.saturating_mul(config.roles.len()) + 4 + orchestrator_connections,
-    )
-    .unwrap_or(32)
-    .min(64);
+    let connections = config.pool_size.unwrap_or_else(|| {
+        u32::try_from(
+            config.workers.saturating_mul(config.roles.len()) + 4 + orchestrator_connections,
+        )
+        .unwrap_or(32)
+        .min(64)
+    });
     match Backend::of(url)? {
         Backend::Postgres => {
             let store = sagabox::PostgresStore::connect(url, connections).await?;
