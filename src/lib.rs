@@ -100,7 +100,8 @@
 //! - [`database`]: opening a store from a URL, migrating and pruning by URL, the typed
 //!   connection errors; [`redact`](database::redact) for logs.
 //!
-//! The `sagabox` command (migrate, prune, inspect, bench, demo, serve, dlq) is the
+//! The `sagabox` command (migrate, prune, inspect, saga, dlq, console, serve, orchestrate,
+//! demo, bench, bench-broker) is the
 //! `sagabox-cli` package in `cli/`; the example sagas are packages of their own under
 //! `examples/` (`examples/checkout` is the saga behind `sagabox demo`). They use only
 //! this crate's public API.

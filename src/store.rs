@@ -164,6 +164,12 @@ pub trait InboxStore: Debug + Send + Sync + 'static {
     /// The sqlx database this store talks to; handlers get a transaction of it.
     type Db: sqlx::Database;
 
+    /// The most connections the store's pool holds, for the error that says a claim
+    /// found none free. Defaults to `None` (unknown).
+    fn pool_size(&self) -> Option<u32> {
+        None
+    }
+
     /// Begins the guard's transaction and claims `key` in it: until the transaction
     /// ends no other transaction can claim the key (a racing claim waits). Returns what
     /// the key's first delivery left, or that this delivery is the first.

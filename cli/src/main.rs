@@ -121,8 +121,9 @@ enum Command {
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
-        /// Send commands and replies through RabbitMQ at this URL
-        /// (amqp://guest:guest@127.0.0.1:5672/%2f) instead of in process.
+        /// Send commands and replies through a broker instead of in process: RabbitMQ
+        /// (amqp://guest:guest@127.0.0.1:5672/%2f, amqps://… for TLS) or NATS JetStream
+        /// (nats://127.0.0.1:4222, tls://… for TLS).
         #[arg(long, value_name = "URL")]
         transport: Option<String>,
         /// Queue names are <prefix>.<consumer_type> (with --transport).
@@ -146,16 +147,16 @@ enum Command {
         #[arg(long, default_value_t = 1.0, value_parser = args::clock_speed)]
         clock_speed: f64,
     },
-    /// Run checkout participants over RabbitMQ until interrupted (Ctrl-C or SIGTERM):
-    /// each role consumes <prefix>.<role> through its inbox and replies; the outbox relay
-    /// and the pruner run beside them.
+    /// Run checkout participants over RabbitMQ or NATS JetStream until interrupted (Ctrl-C
+    /// or SIGTERM): each role consumes <prefix>.<role> through its inbox and replies; the
+    /// outbox relay and the pruner run beside them.
     #[command(allow_negative_numbers = true, after_help = EXIT_STATUS)]
     Serve {
         /// Roles to serve. Repeat or comma-separate.
         #[arg(long, value_delimiter = ',', required = true)]
         role: Vec<Role>,
-        /// The RabbitMQ broker: amqp://user:password@host:port/vhost (the same flag as
-        /// demo's).
+        /// The broker (the same flag as demo's): amqp://user@host:port/vhost or amqps://…
+        /// (RabbitMQ), nats://host:port or tls://… (NATS JetStream).
         #[arg(long, value_name = "URL")]
         transport: String,
         /// postgres://user@host:port/db or sqlite:path/to/file.db
@@ -195,7 +196,7 @@ enum Command {
         #[command(flatten)]
         broker: args::BrokerArgs,
     },
-    /// Drive the sagas defined in TOML files, over RabbitMQ, with their steps served by
+    /// Drive the sagas defined in TOML files, over RabbitMQ or NATS JetStream, with their steps served by
     /// other processes. A saga starts from a start message on <prefix>.<saga>.start: an
     /// envelope whose kind is the saga's name and whose payload is its data; the same
     /// message delivered twice starts one saga. Stops on SIGINT or SIGTERM.
@@ -203,7 +204,8 @@ enum Command {
         /// A saga definition (TOML). Repeat for several sagas.
         #[arg(long = "saga", value_name = "FILE", required = true)]
         sagas: Vec<std::path::PathBuf>,
-        /// The RabbitMQ broker: amqp://user:password@host:port/vhost
+        /// The broker: amqp://user@host:port/vhost or amqps://… (RabbitMQ), nats://host:port
+        /// or tls://… (NATS JetStream).
         #[arg(long, value_name = "URL")]
         transport: String,
         /// postgres://user@host:port/db or sqlite:path/to/file.db
@@ -267,7 +269,8 @@ enum Command {
         /// with --nats-url, <prefix>_<consumer_type>).
         #[arg(long, default_value = "sagabox")]
         queue_prefix: String,
-        /// The RabbitMQ management API (default: http://<broker host>:15672).
+        /// The RabbitMQ management API (default: http://<broker host>:15672, or
+        /// https://<broker host>:15671 for an amqps:// URL).
         #[arg(long, value_name = "URL")]
         amqp_management_url: Option<String>,
     },
@@ -832,6 +835,19 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::BenchBroker(args) => {
+            // Checked here rather than by clap, whose message would quote the URL unredacted.
+            if !matches!(
+                sagabox::database::Backend::of(&args.database_url),
+                Ok(sagabox::database::Backend::Postgres)
+            ) {
+                usage_error(
+                    "bench-broker",
+                    format_args!(
+                        "--database-url {}: the broker bench runs on PostgreSQL (postgres://…)",
+                        redact(&args.database_url)
+                    ),
+                );
+            }
             let json = args.json;
             report("bench-broker", bench::broker::run(args).await, json)?;
             Ok(ExitCode::SUCCESS)

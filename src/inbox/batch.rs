@@ -98,7 +98,8 @@ impl<S: InboxStore> InboxGuard<S> {
     {
         let result = self
             .process_batch_inner(consumer_type, envelopes, handler)
-            .await;
+            .await
+            .map_err(|error| self.sized(error));
         match &result {
             Ok(outcomes) => {
                 for outcome in outcomes {

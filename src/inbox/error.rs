@@ -122,11 +122,17 @@ pub enum InboxError {
     /// No pooled connection became free within the pool's acquire timeout: every one was
     /// busy, or the database could not be reached to open a new one. Nothing was done.
     #[error(
-        "no database connection became free within the pool's acquire timeout: every connection \
-         is busy or the database is unreachable; nothing was applied, retry later, and if it \
-         persists raise the pool size, lower the concurrency or check the database"
+        "no connection of the inbox's database pool{} became free within the pool's acquire \
+         timeout: every connection is busy or the database is unreachable; nothing was \
+         applied, retry later, and if it persists raise the pool size (sagabox's \
+         --db-pool-size, or the max_connections given to the store), lower the concurrency \
+         (workers, prefetch) or check the database",
+        size.map_or_else(String::new, |size| format!(" (which holds at most {size})"))
     )]
-    PoolTimedOut,
+    PoolTimedOut {
+        /// The most connections the pool holds, where the store knows it.
+        size: Option<u32>,
+    },
 }
 
 impl From<sqlx::Error> for InboxError {
@@ -134,7 +140,7 @@ impl From<sqlx::Error> for InboxError {
     /// other failure [`InboxError::Database`].
     fn from(error: sqlx::Error) -> Self {
         match error {
-            sqlx::Error::PoolTimedOut => InboxError::PoolTimedOut,
+            sqlx::Error::PoolTimedOut => InboxError::PoolTimedOut { size: None },
             error => InboxError::Database(error),
         }
     }
@@ -153,7 +159,7 @@ impl InboxError {
         matches!(
             self,
             InboxError::Database(_)
-                | InboxError::PoolTimedOut
+                | InboxError::PoolTimedOut { .. }
                 | InboxError::ClaimVanished { .. }
                 | InboxError::BatchRaced { .. }
         )

@@ -127,7 +127,8 @@ impl<S: InboxStore> InboxGuard<S> {
         let result = self
             .process_inner(consumer_type, envelope, handler)
             .instrument(span.clone())
-            .await;
+            .await
+            .map_err(|error| self.sized(error));
         let label = match &result {
             Ok(outcome) => MessageOutcome::of(outcome),
             Err(_) => MessageOutcome::Failed,
@@ -135,6 +136,19 @@ impl<S: InboxStore> InboxGuard<S> {
         span.record("outcome", label.as_str());
         metrics::inbox_message(consumer_type, label);
         result
+    }
+
+    /// `error` with the pool's size, when it is a pool timeout: the error then says how
+    /// many connections were all busy.
+    pub(crate) fn sized<E>(&self, error: GuardError<E>) -> GuardError<E> {
+        match error {
+            GuardError::Inbox(InboxError::PoolTimedOut { size: None }) => {
+                GuardError::Inbox(InboxError::PoolTimedOut {
+                    size: self.store.pool_size(),
+                })
+            }
+            other => other,
+        }
     }
 
     async fn process_inner<F, E>(

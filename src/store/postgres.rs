@@ -391,6 +391,10 @@ impl PostgresStore {
 impl InboxStore for PostgresStore {
     type Db = Postgres;
 
+    fn pool_size(&self) -> Option<u32> {
+        Some(self.pool.options().get_max_connections())
+    }
+
     async fn begin_claim(
         &self,
         key: &ClaimKey<'_>,

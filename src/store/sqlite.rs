@@ -184,6 +184,10 @@ async fn lookup(
 impl InboxStore for SqliteStore {
     type Db = Sqlite;
 
+    fn pool_size(&self) -> Option<u32> {
+        Some(self.pool.options().get_max_connections())
+    }
+
     async fn begin_claim(
         &self,
         key: &ClaimKey<'_>,

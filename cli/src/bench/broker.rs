@@ -48,9 +48,9 @@ use super::BoxError;
 /// What to measure: `sagabox bench-broker`'s arguments.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct BrokerBenchArgs {
-    /// postgres://user@host:port/db (a scratch schema in it is used and removed)
-    #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = sagabox_cli::args::DEFAULT_DATABASE_URL,
-          value_parser = postgres_url)]
+    /// postgres://user@host:port/db (a scratch schema in it is used and removed); the
+    /// broker bench runs on PostgreSQL only.
+    #[arg(long, env = "SAGABOX_DATABASE_URL", hide_env_values = true)]
     pub(crate) database_url: String,
     /// The broker: amqp://user:password@host:port/vhost (RabbitMQ) or nats://host:port
     /// (NATS JetStream)
@@ -81,15 +81,6 @@ pub(crate) struct BrokerBenchArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub(crate) json: bool,
-}
-
-/// Parses `--database-url`: the broker bench runs on PostgreSQL.
-fn postgres_url(url: &str) -> Result<String, String> {
-    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        Ok(url.to_owned())
-    } else {
-        Err("the broker bench runs on PostgreSQL (postgres://…)".into())
-    }
 }
 
 /// Parses `--transport`: RabbitMQ or NATS JetStream.
