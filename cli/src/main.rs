@@ -1,5 +1,5 @@
 //! The `sagabox` command line: `demo`, `serve`, `orchestrate`, `migrate`, `prune`,
-//! `inspect`, `saga`, `dlq`, `bench`, `console`.
+//! `inspect`, `saga`, `dlq`, `bench`, `bench-broker`, `console`.
 //!
 //! Exit status: 0 done; 1 the run failed (the cause on stderr, and with `--json` also as
 //! `{"error": "…"}` on stdout); 2 a usage error (clap's, or a value refused after

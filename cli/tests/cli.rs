@@ -575,16 +575,6 @@ fn usage_errors_exit_with_status_2() {
         ),
         (
             &["bench-broker", "--transport", amqp],
-            "--database-url <DATABASE_URL>",
-        ),
-        (
-            &[
-                "bench-broker",
-                "--transport",
-                amqp,
-                "--database-url",
-                "sqlite:secret-pw.db",
-            ],
             "the broker bench runs on PostgreSQL",
         ),
         (
