@@ -14,5 +14,5 @@ cargo test "$@"
 tls_dir=${SAGABOX_TLS_DIR:-/etc/sagabox-test/tls}
 echo "test: the inbox, saga, batch and outbox suites again, over TLS to PostgreSQL"
 DATABASE_URL="postgres://postgres@localhost:5432/postgres?sslmode=verify-full&sslrootcert=$tls_dir/ca.pem" \
-  cargo test -p sagabox --test inbox --test orchestrator --test saga_ops --test saga_start \
+  cargo test --test inbox --test orchestrator --test saga_ops --test saga_start \
   --test batch --test outbox

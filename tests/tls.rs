@@ -17,14 +17,13 @@ mod common;
 #[allow(dead_code, unreachable_pub)]
 mod jetstream;
 
-use std::path::PathBuf;
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 use std::time::Duration;
 
 use common::Pg;
 use common::rabbit::Rabbit;
+use common::tls::{broker_connections, file, nats_connections, tls_dir};
 use sagabox::amqp::{AmqpConfig, AmqpError};
 use sagabox::database::ConnectError;
 use sagabox::delivery::Disposition;
@@ -33,23 +32,6 @@ use sagabox::tls::TlsError;
 use sagabox::{ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId, PostgresStore};
 use serde_json::json;
 use sqlx::Row;
-
-/// The folder of the test CA and certificates.
-fn tls_dir() -> PathBuf {
-    let dir = std::env::var_os("SAGABOX_TLS_DIR")
-        .map_or_else(|| PathBuf::from("/etc/sagabox-test/tls"), PathBuf::from);
-    assert!(
-        dir.join("ca.pem").is_file() && dir.join("server.pem").is_file(),
-        "no TLS test material in {}: run scripts/tls-setup.sh (scripts/test.sh runs it), or \
-         point SAGABOX_TLS_DIR at its folder",
-        dir.display()
-    );
-    dir
-}
-
-fn file(name: &str) -> String {
-    tls_dir().join(name).display().to_string()
-}
 
 /// `pg.url` on host `host` with `query` added.
 fn pg_url(pg: &Pg, host: &str, query: &str) -> String {
@@ -285,40 +267,44 @@ async fn a_plain_text_postgres_where_tls_is_required_is_refused() {
     server.abort();
 }
 
+/// A consumer's handler that writes one `effects` row per message through the guard
+/// and counts every delivery it settles in `deliveries`.
+fn applying(
+    guard: InboxGuard<PostgresStore>,
+    consumer_type: ConsumerType,
+    deliveries: Arc<AtomicU32>,
+) -> impl Fn(Envelope) -> std::pin::Pin<Box<dyn Future<Output = Disposition> + Send>>
++ Send
++ Sync
++ 'static {
+    move |envelope: Envelope| {
+        let (guard, consumer_type, deliveries) = (
+            guard.clone(),
+            consumer_type.clone(),
+            Arc::clone(&deliveries),
+        );
+        Box::pin(async move {
+            guard
+                .process(&consumer_type, &envelope, async |conn, envelope| {
+                    sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
+                        .bind(envelope.id.as_str())
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok::<_, sqlx::Error>(json!({}))
+                })
+                .await
+                .unwrap();
+            deliveries.fetch_add(1, SeqCst);
+            Disposition::Done { reply: None }
+        })
+    }
+}
+
 // RabbitMQ
 
 /// The AMQPS URL of the test broker with `query` (TLS files) added.
 fn amqps_url(port: u16, query: &str) -> String {
     format!("amqps://guest:guest@localhost:{port}/%2f?{query}")
-}
-
-/// `rabbitmqctl list_connections ssl peer_cert_subject client_properties`: the first
-/// two columns of each connection whose client properties hold `name` (sagabox names
-/// its connections `<prefix>/<role>`).
-fn broker_connections(name: &str) -> Vec<(String, String)> {
-    let output = Command::new("rabbitmqctl")
-        .args([
-            "list_connections",
-            "--quiet",
-            "--no-table-headers",
-            "ssl",
-            "peer_cert_subject",
-            "client_properties",
-        ])
-        .output()
-        .expect("rabbitmqctl runs");
-    assert!(output.status.success(), "{output:?}");
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter(|line| line.contains(name))
-        .map(|line| {
-            let mut columns = line.split('\t');
-            (
-                columns.next().unwrap_or("").to_owned(),
-                columns.next().unwrap_or("").to_owned(),
-            )
-        })
-        .collect()
 }
 
 #[tokio::test]
@@ -343,29 +329,14 @@ async fn an_amqps_consumer_is_tls_on_the_brokers_side_and_reads_retention_over_h
     let consumer_type = ConsumerType::new("payment").unwrap();
     let options = sagabox::amqp::ConsumerOptions::new(consumer_type.clone(), ["charge"]);
     let applied = Arc::new(AtomicU32::new(0));
-    let counted = Arc::clone(&applied);
     // Starting checks the queue's retention through the management API, here over HTTPS.
-    let consumer =
-        sagabox::amqp::Consumer::spawn(config.clone(), options, move |envelope: Envelope| {
-            let (guard, consumer_type, counted) =
-                (guard.clone(), consumer_type.clone(), Arc::clone(&counted));
-            async move {
-                guard
-                    .process(&consumer_type, &envelope, async |conn, envelope| {
-                        sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
-                            .bind(envelope.id.as_str())
-                            .execute(&mut *conn)
-                            .await?;
-                        Ok::<_, sqlx::Error>(json!({}))
-                    })
-                    .await
-                    .unwrap();
-                counted.fetch_add(1, SeqCst);
-                Disposition::Done { reply: None }
-            }
-        })
-        .await
-        .unwrap();
+    let consumer = sagabox::amqp::Consumer::spawn(
+        config.clone(),
+        options,
+        applying(guard, consumer_type, Arc::clone(&applied)),
+    )
+    .await
+    .unwrap();
     let id = MessageId::new_v7();
     for _ in 0..2 {
         let (body, properties) =
@@ -377,7 +348,7 @@ async fn an_amqps_consumer_is_tls_on_the_brokers_side_and_reads_retention_over_h
     common::wait_for("two deliveries", async || applied.load(SeqCst) == 2).await;
     assert_eq!(pg.scalar("SELECT COUNT(*) FROM effects").await, 1);
 
-    let ours = broker_connections(&format!("{}/", config.queue_prefix));
+    let ours = broker_connections(&format!("\"{}/", config.queue_prefix));
     assert!(!ours.is_empty(), "the consumer's connection is not listed");
     for (ssl, subject) in &ours {
         assert_eq!(ssl, "true", "{ours:?}");
@@ -475,42 +446,6 @@ async fn the_management_api_over_https_refuses_a_certificate_it_cannot_trust() {
 
 // NATS
 
-/// The connections NATS's monitoring endpoint lists, as `(name, tls_version)`.
-async fn nats_connections(monitor: u16) -> Vec<(String, Option<String>)> {
-    let body = reqwest_free_get(monitor, "/connz").await;
-    let connz: serde_json::Value = serde_json::from_str(&body).unwrap();
-    connz["connections"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
-        .iter()
-        .map(|connection| {
-            (
-                connection["name"].as_str().unwrap_or("").to_owned(),
-                connection["tls_version"].as_str().map(str::to_owned),
-            )
-        })
-        .collect()
-}
-
-/// The body of a plain HTTP GET on loopback.
-async fn reqwest_free_get(port: u16, path: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .unwrap();
-    socket
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut response = String::new();
-    socket.read_to_string(&mut response).await.unwrap();
-    response
-        .split_once("\r\n\r\n")
-        .map(|(_, body)| body.to_owned())
-        .unwrap_or_default()
-}
-
 #[tokio::test]
 async fn a_nats_consumer_over_tls_is_tls_on_the_servers_side() {
     let server = jetstream::OwnServer::start_tls(&file("server.pem"), &file("server.key")).await;
@@ -530,25 +465,11 @@ async fn a_nats_consumer_over_tls_is_tls_on_the_servers_side() {
     let options = sagabox::nats::ConsumerOptions::new(consumer_type.clone(), ["charge"]);
     let subject = config.subject(&consumer_type);
     let applied = Arc::new(AtomicU32::new(0));
-    let counted = Arc::clone(&applied);
-    let consumer = sagabox::nats::Consumer::spawn(config.clone(), options, move |envelope| {
-        let (guard, consumer_type, counted) =
-            (guard.clone(), consumer_type.clone(), Arc::clone(&counted));
-        async move {
-            guard
-                .process(&consumer_type, &envelope, async |conn, envelope| {
-                    sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
-                        .bind(envelope.id.as_str())
-                        .execute(&mut *conn)
-                        .await?;
-                    Ok::<_, sqlx::Error>(json!({}))
-                })
-                .await
-                .unwrap();
-            counted.fetch_add(1, SeqCst);
-            Disposition::Done { reply: None }
-        }
-    })
+    let consumer = sagabox::nats::Consumer::spawn(
+        config.clone(),
+        options,
+        applying(guard, consumer_type, Arc::clone(&applied)),
+    )
     .await
     .unwrap();
     let client = sagabox::nats::connect(&config, "tls-test-publisher")
@@ -575,11 +496,7 @@ async fn a_nats_consumer_over_tls_is_tls_on_the_servers_side() {
     common::wait_for("two deliveries", async || applied.load(SeqCst) == 2).await;
     assert_eq!(pg.scalar("SELECT COUNT(*) FROM effects").await, 1);
 
-    let ours: Vec<_> = nats_connections(server.monitor_port)
-        .await
-        .into_iter()
-        .filter(|(name, _)| name.starts_with(&prefix))
-        .collect();
+    let ours = nats_connections(server.monitor_port, &prefix).await;
     assert!(ours.len() >= 2, "{ours:?}");
     for (name, tls) in &ours {
         assert!(

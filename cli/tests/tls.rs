@@ -17,28 +17,13 @@ mod common;
 mod jetstream;
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Output, Stdio};
 use std::time::Duration;
 
 use common::Pg;
 use common::children::{Children, stop};
 use common::rabbit::Rabbit;
-
-fn tls_dir() -> PathBuf {
-    let dir = std::env::var_os("SAGABOX_TLS_DIR")
-        .map_or_else(|| PathBuf::from("/etc/sagabox-test/tls"), PathBuf::from);
-    assert!(
-        dir.join("ca.pem").is_file(),
-        "no TLS test material in {}: run scripts/tls-setup.sh (scripts/test.sh runs it)",
-        dir.display()
-    );
-    dir
-}
-
-fn file(name: &str) -> String {
-    tls_dir().join(name).display().to_string()
-}
+use common::tls::{broker_connections, file, nats_connections};
 
 /// The fixture's database on `host`, with `sslmode=verify-full` and the test CA.
 fn verified_url(pg: &Pg, host: &str) -> String {
@@ -104,34 +89,6 @@ async fn sessions(pg: &Pg) -> Vec<(String, bool, Option<String>)> {
     rows.into_iter()
         .filter(|(pid, ..)| !own.contains(pid))
         .map(|(_, name, ssl, dn)| (name, ssl, dn))
-        .collect()
-}
-
-/// `(ssl, peer_cert_subject)` of every broker connection whose name starts `prefix/`.
-fn broker_connections(prefix: &str) -> Vec<(String, String)> {
-    let output = Command::new("rabbitmqctl")
-        .args([
-            "list_connections",
-            "--quiet",
-            "--no-table-headers",
-            "ssl",
-            "peer_cert_subject",
-            "client_properties",
-        ])
-        .output()
-        .expect("rabbitmqctl runs");
-    assert!(output.status.success(), "{output:?}");
-    let needle = format!("\"{prefix}/");
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter(|line| line.contains(&needle))
-        .map(|line| {
-            let mut columns = line.split('\t');
-            (
-                columns.next().unwrap_or("").to_owned(),
-                columns.next().unwrap_or("").to_owned(),
-            )
-        })
         .collect()
 }
 
@@ -250,7 +207,7 @@ async fn every_command_runs_over_verified_tls_to_postgres_and_rabbitmq() {
             "the session of {name:?} is not encrypted: {sessions:?}"
         );
     }
-    let connections = broker_connections(&prefix);
+    let connections = broker_connections(&format!("\"{prefix}/"));
     assert!(connections.len() >= 4, "{connections:?}");
     for (ssl, subject) in &connections {
         assert_eq!(ssl, "true", "{connections:?}");
@@ -322,31 +279,4 @@ async fn serve_and_demo_run_over_nats_with_tls() {
         let status = stop(child, "serve", Duration::from_secs(30)).await;
         assert!(status.success(), "serve: {status}");
     }
-}
-
-/// The connections named `prefix/…` on NATS's monitoring endpoint, as
-/// `(name, tls_version)`.
-async fn nats_connections(monitor: u16, prefix: &str) -> Vec<(String, Option<String>)> {
-    let body = reqwest::get(format!("http://127.0.0.1:{monitor}/connz"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let connz: serde_json::Value = serde_json::from_str(&body).unwrap();
-    connz["connections"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
-        .iter()
-        .filter_map(|connection| {
-            let name = connection["name"].as_str()?;
-            name.starts_with(&format!("{prefix}/")).then(|| {
-                (
-                    name.to_owned(),
-                    connection["tls_version"].as_str().map(str::to_owned),
-                )
-            })
-        })
-        .collect()
 }

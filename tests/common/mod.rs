@@ -12,6 +12,7 @@ pub mod invariants;
 pub mod proxy;
 pub mod rabbit;
 pub mod scrape;
+pub mod tls;
 
 use std::path::PathBuf;
 
