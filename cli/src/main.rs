@@ -565,9 +565,22 @@ async fn main() -> ExitCode {
         }
     };
     match run(cli.command).await {
-        Ok(code) | Err(code) => code,
+        Ok(code) => code,
+        Err(code) => {
+            // A run that failed may have stopped actors just now (a participant whose
+            // start failed stops what it started). ractor drains their supervision
+            // notices in tasks of its own and panics on one the runtime's shutdown
+            // cancels ("task N was cancelled"), which would print a backtrace after the
+            // one line that says what failed. Let those tasks finish first.
+            tokio::time::sleep(SETTLE).await;
+            code
+        }
     }
 }
+
+/// How long a failed run waits for the actors' last supervision notices before the
+/// runtime shuts down.
+const SETTLE: Duration = Duration::from_millis(200);
 
 /// Runs one subcommand; `Err` carries the exit status of a failure already reported.
 async fn run(command: Command) -> Result<ExitCode, ExitCode> {
