@@ -348,6 +348,24 @@ pub(crate) fn handshake_advice(
     Some(format!("{advice} ({error})"))
 }
 
+/// `error` and each of its sources, joined without repeats: the clients' own words
+/// ("tls error", "client error (Connect)") hide the cause (a refused certificate, a
+/// refused connection) in the sources.
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut words = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_words = cause.to_string();
+        if !words.contains(&cause_words) {
+            words.push_str(": ");
+            words.push_str(&cause_words);
+        }
+        source = cause.source();
+    }
+    words
+}
+
 /// `%XX` escapes decoded; anything malformed is kept as written.
 pub(crate) fn percent_decode(value: &str) -> String {
     let bytes = value.as_bytes();

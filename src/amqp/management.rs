@@ -270,7 +270,7 @@ impl Api {
             .map_err(|error| failed(format!("{url} is not a URL ({error})")))?;
         let exchange = async {
             let response = self.client.request(request).await.map_err(|error| {
-                let words = chain(&error);
+                let words = crate::tls::error_chain(&error);
                 match crate::tls::handshake_advice(&words, &self.host(), "cacertfile", None) {
                     Some(advice) if self.base.starts_with("https://") => {
                         failed(format!("no answer over HTTPS: {advice}"))
@@ -321,19 +321,6 @@ impl Api {
             .map_or(authority, |(host, _)| host)
             .to_owned()
     }
-}
-
-/// `error` and each of its sources, joined: the HTTP client's own words ("client
-/// error (Connect)") hide the cause (a refused certificate, a refused connection).
-fn chain(error: &dyn std::error::Error) -> String {
-    let mut words = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        words.push_str(": ");
-        words.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    words
 }
 
 /// A TTL in milliseconds, as the API gives it.

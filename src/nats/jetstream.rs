@@ -35,7 +35,7 @@ pub async fn connect(config: &NatsConfig, role: &str) -> Result<Client, NatsErro
         .tls_client_config(tls)
         .require_tls(url.starts_with("tls://"));
     options.connect(url.as_str()).await.map_err(|error| {
-        let words = error_chain(&error);
+        let words = crate::tls::error_chain(&error);
         let host = config.host_port();
         let host = host
             .rsplit_once(':')
@@ -51,22 +51,6 @@ pub async fn connect(config: &NatsConfig, role: &str) -> Result<Client, NatsErro
             },
         }
     })
-}
-
-/// `error` and each of its sources, joined: async-nats's own words ("tls error") hide
-/// the cause.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut words = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let cause_words = cause.to_string();
-        if !words.contains(&cause_words) {
-            words.push_str(": ");
-            words.push_str(&cause_words);
-        }
-        source = cause.source();
-    }
-    words
 }
 
 /// Checks that `consumer_type` can be a subject token and a stream name.
