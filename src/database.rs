@@ -11,6 +11,9 @@ use crate::pruner::{Maintenance, PrunePass};
 use crate::saga::{HistoryPruned, history_pass};
 #[cfg(feature = "postgres")]
 use crate::saga::{SagaStore, history_months};
+use crate::schema::{MIGRATIONS_TABLE, Schema};
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+use sqlx::AssertSqlSafe;
 
 /// Which database a URL names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -368,11 +371,20 @@ pub fn redact(url: &str) -> String {
 /// Runs the migrations of the database at `url` and creates its current and upcoming
 /// inbox partitions (and saga history partitions, on PostgreSQL). Returns the inbox months
 /// it created.
-pub async fn migrate(url: &str, config: InboxConfig) -> Result<Vec<Month>, InboxError> {
+///
+/// On PostgreSQL the tables go to `schema` (SQLite has none and ignores it); an
+/// installation of the first release is moved there first.
+pub async fn migrate(
+    url: &str,
+    schema: &Schema,
+    config: InboxConfig,
+) -> Result<Vec<Month>, InboxError> {
     match Backend::of(url)? {
         #[cfg(feature = "postgres")]
         Backend::Postgres => {
-            let store = crate::PostgresStore::connect(url, 2).await?;
+            let store = crate::PostgresStore::connect(url, 2)
+                .await?
+                .with_schema(schema.clone());
             let guard = InboxGuard::new(store, config)?;
             let created = guard.migrate().await?;
             let months = history_months(guard.now(), guard.config().partitions_ahead)?;
@@ -381,6 +393,7 @@ pub async fn migrate(url: &str, config: InboxConfig) -> Result<Vec<Month>, Inbox
         }
         #[cfg(feature = "sqlite")]
         Backend::Sqlite => {
+            let _ = schema;
             let store = crate::SqliteStore::connect(url, 2).await?;
             InboxGuard::new(store, config)?.migrate().await
         }
@@ -396,13 +409,14 @@ pub async fn migrate(url: &str, config: InboxConfig) -> Result<Vec<Month>, Inbox
 /// Unfinished sagas keep their history.
 pub async fn prune_history(
     url: &str,
+    schema: &Schema,
     config: InboxConfig,
     retention: std::time::Duration,
     dry_run: bool,
 ) -> Result<HistoryPruned, InboxError> {
     let ahead = config.partitions_ahead;
     let now = chrono::Utc::now();
-    Ok(match open_migrated(url, 2).await? {
+    Ok(match open_migrated(url, schema, 2).await? {
         #[cfg(feature = "postgres")]
         Opened::Postgres(store) => history_pass(&store, now, retention, ahead, dry_run).await?,
         #[cfg(feature = "sqlite")]
@@ -415,8 +429,13 @@ pub async fn prune_history(
 ///
 /// The database must exist and be migrated ([`InboxError::NotMigrated`] otherwise): a
 /// pass never creates an SQLite file, nor partitions of tables that are not there.
-pub async fn prune(url: &str, config: InboxConfig, dry_run: bool) -> Result<PrunePass, InboxError> {
-    match open_migrated(url, 2).await? {
+pub async fn prune(
+    url: &str,
+    schema: &Schema,
+    config: InboxConfig,
+    dry_run: bool,
+) -> Result<PrunePass, InboxError> {
+    match open_migrated(url, schema, 2).await? {
         #[cfg(feature = "postgres")]
         Opened::Postgres(store) => InboxGuard::new(store, config)?.run_pass(dry_run).await,
         #[cfg(feature = "sqlite")]
@@ -439,8 +458,13 @@ pub enum Opened {
 /// Opens the database at `url`, with up to `connections` connections, for a command that
 /// works on what is there (pruning, operator commands): it never creates an SQLite file,
 /// and refuses a database without this version's migrations
-/// ([`InboxError::NotMigrated`], which says to run `sagabox migrate`).
-pub async fn open_migrated(url: &str, connections: u32) -> Result<Opened, InboxError> {
+/// ([`InboxError::NotMigrated`], which says to run `sagabox migrate`). On PostgreSQL
+/// sagabox's tables are looked for in `schema`; SQLite ignores it.
+pub async fn open_migrated(
+    url: &str,
+    schema: &Schema,
+    connections: u32,
+) -> Result<Opened, InboxError> {
     let not_migrated = |what: String| InboxError::NotMigrated {
         url: redact(url),
         what,
@@ -448,9 +472,11 @@ pub async fn open_migrated(url: &str, connections: u32) -> Result<Opened, InboxE
     match Backend::of(url)? {
         #[cfg(feature = "postgres")]
         Backend::Postgres => {
-            let store = crate::PostgresStore::connect(url, connections).await?;
+            let store = crate::PostgresStore::connect(url, connections)
+                .await?
+                .with_schema(schema.clone());
             let mut conn = store.pool().acquire().await?;
-            if let Some(what) = unapplied_postgres(&mut conn).await? {
+            if let Some(what) = unapplied_postgres(&mut conn, schema).await? {
                 return Err(not_migrated(what));
             }
             drop(conn);
@@ -458,6 +484,7 @@ pub async fn open_migrated(url: &str, connections: u32) -> Result<Opened, InboxE
         }
         #[cfg(feature = "sqlite")]
         Backend::Sqlite => {
+            let _ = schema;
             if let Some(what) = missing_sqlite_file(url)? {
                 return Err(not_migrated(what));
             }
@@ -489,17 +516,31 @@ pub fn missing_sqlite_file(url: &str) -> Result<Option<String>, ConnectError> {
 #[cfg(feature = "postgres")]
 pub(crate) async fn unapplied_postgres(
     conn: &mut sqlx::PgConnection,
+    schema: &Schema,
 ) -> Result<Option<String>, sqlx::Error> {
-    let has_table: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
-        .fetch_one(&mut *conn)
-        .await?;
+    let table = schema.table(MIGRATIONS_TABLE);
+    let (has_table, first_release): (bool, bool) = sqlx::query_as(
+        "SELECT to_regclass($1) IS NOT NULL, \
+                to_regclass('_sqlx_migrations') IS NOT NULL AND to_regclass('sagabox_inbox') IS NOT NULL",
+    )
+    .bind(&table)
+    .fetch_one(&mut *conn)
+    .await?;
     if !has_table {
-        return Ok(Some(NO_MIGRATIONS.to_owned()));
+        return Ok(Some(if first_release {
+            format!(
+                "its tables are laid out by sagabox's first release, beside the application's; \
+                 `sagabox migrate` moves them into schema {schema}"
+            )
+        } else {
+            format!("{NO_MIGRATIONS} in schema {schema}")
+        }));
     }
-    let applied: Vec<i64> =
-        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
-            .fetch_all(&mut *conn)
-            .await?;
+    let applied: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT version FROM {table} WHERE success"
+    )))
+    .fetch_all(&mut *conn)
+    .await?;
     Ok(unapplied(&crate::store::POSTGRES_MIGRATOR, &applied))
 }
 
@@ -509,18 +550,26 @@ pub(crate) async fn unapplied_postgres(
 pub(crate) async fn unapplied_sqlite(
     conn: &mut sqlx::SqliteConnection,
 ) -> Result<Option<String>, sqlx::Error> {
-    let has_table: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations')",
+    let (has_table, first_release): (bool, bool) = sqlx::query_as(
+        "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = $1), \
+                EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'saga_instances')",
     )
+    .bind(MIGRATIONS_TABLE)
     .fetch_one(&mut *conn)
     .await?;
     if !has_table {
-        return Ok(Some(NO_MIGRATIONS.to_owned()));
+        return Ok(Some(if first_release {
+            "its tables are laid out by sagabox's first release; `sagabox migrate` renames them"
+                .to_owned()
+        } else {
+            NO_MIGRATIONS.to_owned()
+        }));
     }
-    let applied: Vec<i64> =
-        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
-            .fetch_all(&mut *conn)
-            .await?;
+    let applied: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT version FROM {MIGRATIONS_TABLE} WHERE success"
+    )))
+    .fetch_all(&mut *conn)
+    .await?;
     Ok(unapplied(&crate::store::SQLITE_MIGRATOR, &applied))
 }
 

@@ -30,6 +30,7 @@ use serde::Serialize;
 use crate::database::{Backend, redact};
 use crate::inbox::{ConfigError, InboxConfig};
 use crate::month::Month;
+use crate::schema::Schema;
 
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -91,6 +92,9 @@ pub struct InspectOptions {
     /// A pending outbox row older than this is reported as a stalled relay.
     /// Defaults to 5 minutes.
     pub outbox_stalled_after: Duration,
+    /// The schema holding sagabox's tables on PostgreSQL (SQLite ignores it). Defaults
+    /// to `sagabox`.
+    pub schema: Schema,
 }
 
 impl Default for InspectOptions {
@@ -100,6 +104,7 @@ impl Default for InspectOptions {
             thin_margin: Duration::from_secs(7 * 86_400),
             stuck_after: Duration::from_secs(3_600),
             outbox_stalled_after: Duration::from_secs(300),
+            schema: Schema::default(),
         }
     }
 }
@@ -341,7 +346,10 @@ pub async fn inspect_at(
     let windows = [now - TimeDelta::hours(1), now - TimeDelta::days(1)];
     let (name, facts) = match backend {
         #[cfg(feature = "postgres")]
-        Backend::Postgres => ("postgres", postgres::facts(url, windows).await?),
+        Backend::Postgres => (
+            "postgres",
+            postgres::facts(url, &options.schema, windows).await?,
+        ),
         #[cfg(feature = "sqlite")]
         Backend::Sqlite => ("sqlite", sqlite::facts(url, windows).await?),
         #[allow(unreachable_patterns)]

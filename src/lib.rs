@@ -153,6 +153,7 @@ pub mod relay;
 pub mod reply;
 pub mod retention;
 pub mod saga;
+pub mod schema;
 pub mod step;
 pub mod store;
 pub mod supervisor;
@@ -169,6 +170,7 @@ pub use inbox::{ConfigError, GuardError, InboxConfig, InboxError, InboxGuard, MA
 pub use month::Month;
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub use participant::{Participant, ParticipantError, ParticipantHandle, ParticipantReport};
+pub use schema::{Schema, SchemaError};
 #[cfg(feature = "postgres")]
 pub use store::PostgresStore;
 #[cfg(feature = "sqlite")]

@@ -9,10 +9,11 @@ use std::future::Future;
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use sqlx::Row;
 use sqlx::types::Json;
+use sqlx::{AssertSqlSafe, Row};
 
 use crate::envelope::{ConsumerType, Envelope, KeyError, MessageId};
+use crate::schema::Schema;
 
 /// One row of the outbox, as the relay reads it.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,8 +36,23 @@ pub trait OutboxWriter {
     /// Unless the envelope names a `traceparent` of its own, the row takes the current
     /// span's trace context (the handler's, in a step), so its consumer continues the
     /// trace ([`crate::trace`]).
+    ///
+    /// Writes to the outbox in the default schema: PostgreSQL's `sagabox`, SQLite's
+    /// `main`. With tables in another schema
+    /// ([`PostgresStore::with_schema`](crate::PostgresStore::with_schema)), use
+    /// [`publish_in`](Self::publish_in).
     fn publish(
         &mut self,
+        destination: &ConsumerType,
+        aggregate: &str,
+        envelope: &Envelope,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// [`publish`](Self::publish) to the outbox in `schema` (the store's
+    /// [`schema`](crate::store::InboxStore::schema)).
+    fn publish_in(
+        &mut self,
+        schema: &Schema,
         destination: &ConsumerType,
         aggregate: &str,
         envelope: &Envelope,
@@ -53,10 +69,13 @@ pub trait OutboxWriter {
 }
 
 /// Reading and settling the outbox, for the relay.
+/// Every method works on the outbox in `schema` (the store's
+/// [`schema`](crate::store::InboxStore::schema)).
 pub trait OutboxReader {
     /// Up to `limit` rows not yet sent, oldest first.
     fn pending(
         &mut self,
+        schema: &Schema,
         limit: i64,
     ) -> impl Future<Output = Result<Vec<OutboxRow>, sqlx::Error>> + Send;
 
@@ -68,22 +87,28 @@ pub trait OutboxReader {
     /// [`OutboxReader::pending`]. Call inside a transaction and mark before commit.
     fn claim(
         &mut self,
+        schema: &Schema,
         limit: i64,
     ) -> impl Future<Output = Result<Vec<OutboxRow>, sqlx::Error>> + Send;
 
     /// How many rows are not yet sent.
-    fn pending_count(&mut self) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+    fn pending_count(
+        &mut self,
+        schema: &Schema,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// Deletes rows sent before `before`; returns how many. The relay calls it on a
     /// timer: a sent row is only kept for an operator's eyes.
     fn prune_sent(
         &mut self,
+        schema: &Schema,
         before: DateTime<Utc>,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// Marks the row `seq` sent at `now`. Returns whether it was pending.
     fn mark_sent(
         &mut self,
+        schema: &Schema,
         seq: i64,
         now: DateTime<Utc>,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
@@ -123,17 +148,18 @@ where
 trait RowsOf {
     fn rows(
         &mut self,
-        sql: &'static str,
+        sql: &str,
         limit: i64,
     ) -> impl Future<Output = Result<Vec<OutboxRow>, sqlx::Error>> + Send;
 }
 
-const INSERT: &str = "INSERT INTO sagabox_outbox \
+const INSERT: &str = "INSERT INTO {schema}.sagabox_outbox \
     (id, aggregate, destination, kind, saga_id, payload, headers, created_at) \
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8)";
 const PENDING: &str = "SELECT seq, id, aggregate, destination, kind, saga_id, payload, headers, created_at \
-    FROM sagabox_outbox WHERE sent_at IS NULL ORDER BY seq LIMIT $1";
-const MARK_SENT: &str = "UPDATE sagabox_outbox SET sent_at = $2 WHERE seq = $1 AND sent_at IS NULL";
+    FROM {schema}.sagabox_outbox WHERE sent_at IS NULL ORDER BY seq LIMIT $1";
+const MARK_SENT: &str =
+    "UPDATE {schema}.sagabox_outbox SET sent_at = $2 WHERE seq = $1 AND sent_at IS NULL";
 
 /// The relay's claim on PostgreSQL, in two statements (see [`OutboxReader::claim`]):
 /// the aggregates at the head of the queue, each locked for the transaction if no other
@@ -146,27 +172,29 @@ const MARK_SENT: &str = "UPDATE sagabox_outbox SET sent_at = $2 WHERE seq = $1 A
 #[cfg(feature = "postgres")]
 const LOCK_HEAD_AGGREGATES: &str = "SELECT aggregate FROM ( \
         SELECT DISTINCT aggregate FROM ( \
-            SELECT aggregate FROM sagabox_outbox WHERE sent_at IS NULL ORDER BY seq LIMIT $1 \
+            SELECT aggregate FROM {schema}.sagabox_outbox WHERE sent_at IS NULL ORDER BY seq LIMIT $1 \
         ) head \
     ) candidates \
     WHERE pg_try_advisory_xact_lock(1398892386, hashtext(aggregate))";
 #[cfg(feature = "postgres")]
 const PENDING_OF_AGGREGATES: &str = "SELECT seq, id, aggregate, destination, kind, saga_id, payload, headers, created_at \
-    FROM sagabox_outbox WHERE sent_at IS NULL AND aggregate = ANY($2) ORDER BY seq LIMIT $1 FOR UPDATE";
+    FROM {schema}.sagabox_outbox WHERE sent_at IS NULL AND aggregate = ANY($2) ORDER BY seq LIMIT $1 FOR UPDATE";
 
 #[cfg(feature = "postgres")]
 async fn claim_postgres(
     conn: &mut sqlx::PgConnection,
+    schema: &Schema,
     limit: i64,
 ) -> Result<Vec<OutboxRow>, sqlx::Error> {
-    let aggregates: Vec<String> = sqlx::query_scalar(LOCK_HEAD_AGGREGATES)
-        .bind(limit)
-        .fetch_all(&mut *conn)
-        .await?;
+    let aggregates: Vec<String> =
+        sqlx::query_scalar(AssertSqlSafe(schema.sql(LOCK_HEAD_AGGREGATES)))
+            .bind(limit)
+            .fetch_all(&mut *conn)
+            .await?;
     if aggregates.is_empty() {
         return Ok(Vec::new());
     }
-    let rows = sqlx::query(PENDING_OF_AGGREGATES)
+    let rows = sqlx::query(AssertSqlSafe(schema.sql(PENDING_OF_AGGREGATES)))
         .bind(limit)
         .bind(aggregates)
         .fetch_all(&mut *conn)
@@ -177,20 +205,22 @@ async fn claim_postgres(
 #[cfg(feature = "sqlite")]
 async fn claim_sqlite(
     conn: &mut sqlx::SqliteConnection,
+    schema: &Schema,
     limit: i64,
 ) -> Result<Vec<OutboxRow>, sqlx::Error> {
-    conn.pending(limit).await
+    conn.pending(schema, limit).await
 }
 
-const PENDING_COUNT: &str = "SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL";
-const PRUNE_SENT: &str = "DELETE FROM sagabox_outbox WHERE sent_at IS NOT NULL AND sent_at < $1";
+const PENDING_COUNT: &str = "SELECT COUNT(*) FROM {schema}.sagabox_outbox WHERE sent_at IS NULL";
+const PRUNE_SENT: &str =
+    "DELETE FROM {schema}.sagabox_outbox WHERE sent_at IS NOT NULL AND sent_at < $1";
 
 fn decode_error(error: KeyError) -> sqlx::Error {
     sqlx::Error::Decode(Box::new(error))
 }
 
 macro_rules! outbox_impls {
-    ($conn:ty, $claim:ident) => {
+    ($conn:ty, $claim:ident, $default_schema:expr) => {
         impl OutboxWriter for $conn {
             async fn publish(
                 &mut self,
@@ -198,7 +228,18 @@ macro_rules! outbox_impls {
                 aggregate: &str,
                 envelope: &Envelope,
             ) -> Result<(), sqlx::Error> {
-                sqlx::query(INSERT)
+                self.publish_in(&$default_schema, destination, aggregate, envelope)
+                    .await
+            }
+
+            async fn publish_in(
+                &mut self,
+                schema: &Schema,
+                destination: &ConsumerType,
+                aggregate: &str,
+                envelope: &Envelope,
+            ) -> Result<(), sqlx::Error> {
+                sqlx::query(AssertSqlSafe(schema.sql(INSERT)))
                     .bind(envelope.id.as_str())
                     .bind(aggregate)
                     .bind(destination.as_str())
@@ -214,23 +255,35 @@ macro_rules! outbox_impls {
         }
 
         impl OutboxReader for $conn {
-            async fn pending(&mut self, limit: i64) -> Result<Vec<OutboxRow>, sqlx::Error> {
-                self.rows(PENDING, limit).await
+            async fn pending(
+                &mut self,
+                schema: &Schema,
+                limit: i64,
+            ) -> Result<Vec<OutboxRow>, sqlx::Error> {
+                self.rows(&schema.sql(PENDING), limit).await
             }
 
-            async fn claim(&mut self, limit: i64) -> Result<Vec<OutboxRow>, sqlx::Error> {
-                $claim(self, limit).await
+            async fn claim(
+                &mut self,
+                schema: &Schema,
+                limit: i64,
+            ) -> Result<Vec<OutboxRow>, sqlx::Error> {
+                $claim(self, schema, limit).await
             }
 
-            async fn pending_count(&mut self) -> Result<u64, sqlx::Error> {
-                let count: i64 = sqlx::query_scalar(PENDING_COUNT)
+            async fn pending_count(&mut self, schema: &Schema) -> Result<u64, sqlx::Error> {
+                let count: i64 = sqlx::query_scalar(AssertSqlSafe(schema.sql(PENDING_COUNT)))
                     .fetch_one(&mut *self)
                     .await?;
                 Ok(u64::try_from(count).unwrap_or(0))
             }
 
-            async fn prune_sent(&mut self, before: DateTime<Utc>) -> Result<u64, sqlx::Error> {
-                let done = sqlx::query(PRUNE_SENT)
+            async fn prune_sent(
+                &mut self,
+                schema: &Schema,
+                before: DateTime<Utc>,
+            ) -> Result<u64, sqlx::Error> {
+                let done = sqlx::query(AssertSqlSafe(schema.sql(PRUNE_SENT)))
                     .bind(before)
                     .execute(&mut *self)
                     .await?;
@@ -239,10 +292,11 @@ macro_rules! outbox_impls {
 
             async fn mark_sent(
                 &mut self,
+                schema: &Schema,
                 seq: i64,
                 now: DateTime<Utc>,
             ) -> Result<bool, sqlx::Error> {
-                let done = sqlx::query(MARK_SENT)
+                let done = sqlx::query(AssertSqlSafe(schema.sql(MARK_SENT)))
                     .bind(seq)
                     .bind(now)
                     .execute(&mut *self)
@@ -252,12 +306,11 @@ macro_rules! outbox_impls {
         }
 
         impl RowsOf for $conn {
-            async fn rows(
-                &mut self,
-                sql: &'static str,
-                limit: i64,
-            ) -> Result<Vec<OutboxRow>, sqlx::Error> {
-                let rows = sqlx::query(sql).bind(limit).fetch_all(&mut *self).await?;
+            async fn rows(&mut self, sql: &str, limit: i64) -> Result<Vec<OutboxRow>, sqlx::Error> {
+                let rows = sqlx::query(AssertSqlSafe(sql.to_owned()))
+                    .bind(limit)
+                    .fetch_all(&mut *self)
+                    .await?;
                 rows.iter().map(decode_row).collect()
             }
         }
@@ -265,6 +318,6 @@ macro_rules! outbox_impls {
 }
 
 #[cfg(feature = "postgres")]
-outbox_impls!(sqlx::PgConnection, claim_postgres);
+outbox_impls!(sqlx::PgConnection, claim_postgres, Schema::default());
 #[cfg(feature = "sqlite")]
-outbox_impls!(sqlx::SqliteConnection, claim_sqlite);
+outbox_impls!(sqlx::SqliteConnection, claim_sqlite, Schema::sqlite());

@@ -28,6 +28,7 @@ use crate::amqp::{self, Publisher, Routing, codec};
 #[cfg(feature = "nats")]
 use crate::nats;
 use crate::outbox::{OutboxReader, OutboxRow};
+use crate::schema::Schema;
 use crate::transport::{Transport, TransportError};
 
 /// How often and how much the relay publishes.
@@ -76,6 +77,10 @@ pub trait OutboxSource: Clone + Send + Sync + 'static {
     /// The pool.
     fn pool(&self) -> &sqlx::Pool<Self::Db>;
 
+    /// The schema of the outbox: the store's; a bare pool's outbox is in the default
+    /// one (PostgreSQL's `sagabox`, SQLite's `main`).
+    fn schema(&self) -> Schema;
+
     /// Begins a pass's transaction, which reads the pending rows and then marks them.
     /// Defaults to a plain `BEGIN`; SQLite takes its write lock up front
     /// (`BEGIN IMMEDIATE`, waiting out the busy timeout), because a deferred
@@ -95,6 +100,9 @@ impl OutboxSource for sqlx::PgPool {
     fn pool(&self) -> &sqlx::Pool<Self::Db> {
         self
     }
+    fn schema(&self) -> Schema {
+        Schema::default()
+    }
 }
 
 #[cfg(feature = "sqlite")]
@@ -102,6 +110,9 @@ impl OutboxSource for sqlx::SqlitePool {
     type Db = sqlx::Sqlite;
     fn pool(&self) -> &sqlx::Pool<Self::Db> {
         self
+    }
+    fn schema(&self) -> Schema {
+        Schema::sqlite()
     }
     async fn begin(&self) -> Result<sqlx::Transaction<'static, Self::Db>, sqlx::Error> {
         self.begin_with("BEGIN IMMEDIATE").await
@@ -116,6 +127,9 @@ impl OutboxSource for crate::PostgresStore {
     fn pool(&self) -> &sqlx::Pool<Self::Db> {
         crate::PostgresStore::pool(self)
     }
+    fn schema(&self) -> Schema {
+        crate::PostgresStore::schema(self).clone()
+    }
 }
 
 #[cfg(feature = "sqlite")]
@@ -123,6 +137,9 @@ impl OutboxSource for crate::SqliteStore {
     type Db = sqlx::Sqlite;
     fn pool(&self) -> &sqlx::Pool<Self::Db> {
         crate::SqliteStore::pool(self)
+    }
+    fn schema(&self) -> Schema {
+        Schema::sqlite()
     }
     async fn begin(&self) -> Result<sqlx::Transaction<'static, Self::Db>, sqlx::Error> {
         crate::SqliteStore::pool(self)
@@ -432,8 +449,9 @@ where
     /// One transaction: claim, publish, confirm, mark, commit.
     async fn pass(&mut self) -> Result<usize, RelayError> {
         let batch = self.config.batch;
+        let schema = self.source.schema();
         let mut tx = self.source.begin().await?;
-        let rows: Vec<OutboxRow> = (*tx).claim(batch).await?;
+        let rows: Vec<OutboxRow> = (*tx).claim(&schema, batch).await?;
         if rows.is_empty() {
             return Ok(0);
         }
@@ -448,7 +466,7 @@ where
         // and goes again (a repeat the inbox absorbs) rather than out of order.
         let now = Utc::now();
         for row in &rows[..confirmed] {
-            (*tx).mark_sent(row.seq, now).await?;
+            (*tx).mark_sent(&schema, row.seq, now).await?;
         }
         tx.commit().await?;
         for row in &rows[..confirmed] {
@@ -473,8 +491,9 @@ where
         let keep =
             chrono::Duration::from_std(self.config.keep_sent).unwrap_or(chrono::Duration::days(1));
         let before = Utc::now() - keep;
+        let schema = self.source.schema();
         let pruned = match self.source.pool().acquire().await {
-            Ok(mut conn) => (*conn).prune_sent(before).await,
+            Ok(mut conn) => (*conn).prune_sent(&schema, before).await,
             Err(error) => Err(error),
         };
         match pruned {
@@ -483,7 +502,7 @@ where
             Err(error) => tracing::warn!(%error, "pruning sent outbox rows failed"),
         }
         if let Ok(mut conn) = self.source.pool().acquire().await
-            && let Ok(pending) = (*conn).pending_count().await
+            && let Ok(pending) = (*conn).pending_count(&schema).await
         {
             crate::metrics::outbox_pending(pending);
         }

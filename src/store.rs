@@ -15,15 +15,21 @@ use sqlx::Transaction;
 use crate::envelope::{ConsumerType, MessageId};
 use crate::month::Month;
 
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+mod layout;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
 #[cfg(feature = "postgres")]
-pub use postgres::{MIGRATOR as POSTGRES_MIGRATOR, PostgresStore};
+pub(crate) use postgres::MIGRATOR as POSTGRES_MIGRATOR;
+#[cfg(feature = "postgres")]
+pub use postgres::PostgresStore;
 #[cfg(feature = "sqlite")]
-pub use sqlite::{MIGRATOR as SQLITE_MIGRATOR, SqliteStore};
+pub(crate) use sqlite::MIGRATOR as SQLITE_MIGRATOR;
+#[cfg(feature = "sqlite")]
+pub use sqlite::SqliteStore;
 
 /// The prefix of every monthly inbox table: `sagabox_inbox_YYYY_MM`.
 pub const PARTITION_PREFIX: &str = "sagabox_inbox_";
@@ -286,6 +292,13 @@ pub trait InboxStore: Debug + Send + Sync + 'static {
     /// Whether `error` says a partition table does not exist (dropped under a claim).
     fn is_missing_partition(error: &sqlx::Error) -> bool;
 
-    /// Runs this backend's embedded migrations.
+    /// Runs this backend's embedded migrations into [`schema`](Self::schema), recording
+    /// them in [`MIGRATIONS_TABLE`](crate::schema::MIGRATIONS_TABLE) there; moves an
+    /// installation of the first release (tables beside the application's, versions in
+    /// `_sqlx_migrations`) into that layout first.
     fn migrate(&self) -> impl Future<Output = Result<(), sqlx::migrate::MigrateError>> + Send;
+
+    /// The schema that holds sagabox's tables (PostgreSQL's `sagabox` unless set;
+    /// SQLite's `main`). Every statement of the store names it.
+    fn schema(&self) -> &crate::schema::Schema;
 }

@@ -229,13 +229,13 @@ macro_rules! orchestrator_suite {
                 for n in 0..SAGAS {
                     let saga = SagaInstance::new(format!("j-{n:03}"), "journey", json!({ "n": n }), Utc::now());
                     let mut conn = store.pool().acquire().await.unwrap();
-                    <$store as SagaStore>::insert(&mut conn, &saga).await.unwrap();
+                    store.insert(&mut conn, &saga).await.unwrap();
                     drop(conn);
                     orchestrator.send_message(OrchestratorMessage::Drive(saga.id)).unwrap();
                 }
                 wait_idle(&orchestrator).await;
                 assert_eq!(
-                    fx.scalar("SELECT COUNT(*) FROM saga_instances WHERE status = 'compensated'").await,
+                    fx.scalar("SELECT COUNT(*) FROM sagabox_saga_instances WHERE status = 'compensated'").await,
                     SAGAS as i64
                 );
                 let rows: Vec<(String, String)> =
@@ -290,16 +290,16 @@ macro_rules! orchestrator_suite {
                 let id = format!("saga-{n:05}");
                 let saga = SagaInstance::new(&id, "trip", plan(n), Utc::now());
                 let mut conn = store.pool().acquire().await.unwrap();
-                <$store as SagaStore>::insert(&mut conn, &saga).await.unwrap();
+                store.insert(&mut conn, &saga).await.unwrap();
                 id
             }
 
-            /// Every invariant, by SQL over the ledger and saga_instances.
+            /// Every invariant, by SQL over the ledger and sagabox_saga_instances.
             async fn check(fx: &$fixture, sagas: usize) {
                 let count = |sql: &'static str| fx.scalar(sql);
-                assert_eq!(count("SELECT COUNT(*) FROM saga_instances").await, sagas as i64);
+                assert_eq!(count("SELECT COUNT(*) FROM sagabox_saga_instances").await, sagas as i64);
                 assert_eq!(
-                    count("SELECT COUNT(*) FROM saga_instances WHERE status NOT IN ('completed', 'compensated')").await,
+                    count("SELECT COUNT(*) FROM sagabox_saga_instances WHERE status NOT IN ('completed', 'compensated')").await,
                     0,
                     "unfinished sagas"
                 );
@@ -309,21 +309,21 @@ macro_rules! orchestrator_suite {
                     "a command applied twice"
                 );
                 let expected_completed = (0..sagas).filter(|n| !matches!(n % 7, 0 | 3)).count() as i64;
-                assert_eq!(count("SELECT COUNT(*) FROM saga_instances WHERE status = 'completed'").await, expected_completed);
+                assert_eq!(count("SELECT COUNT(*) FROM sagabox_saga_instances WHERE status = 'completed'").await, expected_completed);
                 // completed: the three bookings, no cancellation.
                 assert_eq!(
-                    count("SELECT COUNT(*) FROM saga_instances s WHERE status = 'completed' AND \
+                    count("SELECT COUNT(*) FROM sagabox_saga_instances s WHERE status = 'completed' AND \
                            (SELECT COUNT(*) FROM ledger l WHERE l.saga_id = s.id AND kind IN ('book_hotel', 'book_flight', 'send_notice')) <> 3").await,
                     0
                 );
                 assert_eq!(
-                    count("SELECT COUNT(*) FROM ledger l JOIN saga_instances s ON s.id = l.saga_id \
+                    count("SELECT COUNT(*) FROM ledger l JOIN sagabox_saga_instances s ON s.id = l.saga_id \
                            WHERE s.status = 'completed' AND l.kind LIKE 'cancel_%'").await,
                     0
                 );
                 // compensated: every booking undone, nothing notified.
                 assert_eq!(
-                    count("SELECT COUNT(*) FROM saga_instances s WHERE status = 'compensated' AND ( \
+                    count("SELECT COUNT(*) FROM sagabox_saga_instances s WHERE status = 'compensated' AND ( \
                            (SELECT COUNT(*) FROM ledger l WHERE l.saga_id = s.id AND kind = 'book_hotel') <> \
                            (SELECT COUNT(*) FROM ledger l WHERE l.saga_id = s.id AND kind = 'cancel_hotel') OR \
                            (SELECT COUNT(*) FROM ledger l WHERE l.saga_id = s.id AND kind = 'book_flight') <> \
@@ -384,7 +384,7 @@ macro_rules! orchestrator_suite {
                 let (orchestrator, store, _) = start(&fx, 0.0, 0.0, 5).await;
                 let other = SagaInstance::new("other-1", "shipping", json!({}), Utc::now());
                 let mut conn = store.pool().acquire().await.unwrap();
-                <$store as SagaStore>::insert(&mut conn, &other).await.unwrap();
+                store.insert(&mut conn, &other).await.unwrap();
                 drop(conn);
                 let mine = create(&store, 1).await;
                 let resumed = ractor::call_t!(orchestrator, OrchestratorMessage::ResumeAll, 30_000).unwrap().unwrap();
@@ -408,7 +408,7 @@ macro_rules! orchestrator_suite {
                 let (orchestrator, store, _) = start(&fx, 0.0, 0.0, 6).await;
                 let old = SagaInstance::new("old-1", "trip", plan(1), Utc::now() - chrono::TimeDelta::days(60));
                 let mut conn = store.pool().acquire().await.unwrap();
-                <$store as SagaStore>::insert(&mut conn, &old).await.unwrap();
+                store.insert(&mut conn, &old).await.unwrap();
                 drop(conn);
                 ractor::call_t!(orchestrator, OrchestratorMessage::Run, 30_000, "old-1".to_owned())
                     .expect("the driver ends instead of looping")
@@ -477,7 +477,7 @@ macro_rules! orchestrator_suite {
                 });
                 first.shutdown_background();
                 let unfinished = setup.block_on(fx.scalar(
-                    "SELECT COUNT(*) FROM saga_instances WHERE status NOT IN ('completed', 'compensated')",
+                    "SELECT COUNT(*) FROM sagabox_saga_instances WHERE status NOT IN ('completed', 'compensated')",
                 ));
                 assert!(unfinished > 0, "the crash left work to resume");
 

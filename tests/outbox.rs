@@ -19,6 +19,7 @@ macro_rules! outbox_suite {
             #[tokio::test]
             async fn outbox_rows_commit_with_the_guard_or_not_at_all() {
                 let fx = <$fixture>::new().await;
+                let schema = fx.store(1).await.schema().clone();
                 let guard = InboxGuard::new(fx.store(2).await, InboxConfig::default()).unwrap();
                 let payment = ConsumerType::new("payment").unwrap();
                 let email = ConsumerType::new("email").unwrap();
@@ -51,7 +52,7 @@ macro_rules! outbox_suite {
                 assert_eq!(fx.scalar("SELECT COUNT(*) FROM sagabox_outbox").await, 1);
 
                 let mut conn = fx.pool.acquire().await.unwrap();
-                let pending = conn.pending(10).await.unwrap();
+                let pending = conn.pending(&schema, 10).await.unwrap();
                 assert_eq!(pending.len(), 1);
                 let row = &pending[0];
                 assert_eq!(row.destination, email);
@@ -59,14 +60,15 @@ macro_rules! outbox_suite {
                 assert_eq!(row.envelope.kind, "charged");
                 assert_eq!(row.envelope.saga_id.as_deref(), Some("saga-1"));
                 assert!(row.envelope.id.uuid_v7_time().is_some(), "the message id is a UUIDv7");
-                assert!(conn.mark_sent(row.seq, Utc::now()).await.unwrap());
-                assert!(!conn.mark_sent(row.seq, Utc::now()).await.unwrap(), "already sent");
-                assert!(conn.pending(10).await.unwrap().is_empty());
+                assert!(conn.mark_sent(&schema, row.seq, Utc::now()).await.unwrap());
+                assert!(!conn.mark_sent(&schema, row.seq, Utc::now()).await.unwrap(), "already sent");
+                assert!(conn.pending(&schema, 10).await.unwrap().is_empty());
             }
 
             #[tokio::test]
             async fn pending_rows_come_back_in_publish_order() {
                 let fx = <$fixture>::new().await;
+                let schema = fx.store(1).await.schema().clone();
                 let email = ConsumerType::new("email").unwrap();
                 let mut conn = fx.pool.acquire().await.unwrap();
                 let mut ids = Vec::new();
@@ -75,7 +77,7 @@ macro_rules! outbox_suite {
                     ids.push(out.id.clone());
                     conn.publish(&email, "agg", &out).await.unwrap();
                 }
-                let pending = conn.pending(3).await.unwrap();
+                let pending = conn.pending(&schema, 3).await.unwrap();
                 let got: Vec<_> = pending.iter().map(|r| r.envelope.id.clone()).collect();
                 assert_eq!(got, ids[..3]);
                 // A second row with an id already used is refused.
@@ -86,19 +88,20 @@ macro_rules! outbox_suite {
             #[tokio::test]
             async fn claimed_rows_come_in_order_and_only_old_sent_rows_are_pruned() {
                 let fx = <$fixture>::new().await;
+                let schema = fx.store(1).await.schema().clone();
                 let email = ConsumerType::new("email").unwrap();
                 let mut conn = fx.pool.acquire().await.unwrap();
                 for n in 0..4 {
                     let out = <$conn>::message("notice", json!({"n": n})).unwrap();
                     conn.publish(&email, &format!("agg-{}", n % 2), &out).await.unwrap();
                 }
-                let claimed = conn.claim(10).await.unwrap();
+                let claimed = conn.claim(&schema, 10).await.unwrap();
                 let ns: Vec<_> = claimed.iter().map(|r| r.envelope.payload["n"].as_i64().unwrap()).collect();
                 assert_eq!(ns, [0, 1, 2, 3]);
                 let long_ago = Utc::now() - chrono::Duration::days(3);
-                assert!(conn.mark_sent(claimed[0].seq, long_ago).await.unwrap());
-                assert!(conn.mark_sent(claimed[1].seq, Utc::now()).await.unwrap());
-                let pruned = conn.prune_sent(Utc::now() - chrono::Duration::days(1)).await.unwrap();
+                assert!(conn.mark_sent(&schema, claimed[0].seq, long_ago).await.unwrap());
+                assert!(conn.mark_sent(&schema, claimed[1].seq, Utc::now()).await.unwrap());
+                let pruned = conn.prune_sent(&schema, Utc::now() - chrono::Duration::days(1)).await.unwrap();
                 assert_eq!(pruned, 1, "only the row sent before the cut-off");
                 assert_eq!(fx.scalar("SELECT COUNT(*) FROM sagabox_outbox").await, 3);
                 assert_eq!(fx.scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL").await, 2, "pending rows are never pruned");

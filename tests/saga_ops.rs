@@ -193,7 +193,7 @@ macro_rules! saga_ops_suite {
                 async fn create_with(&self, definition: &SagaDefinition, id: &str, data: Value, now: chrono::DateTime<Utc>) -> SagaInstance {
                     let saga = SagaInstance::under(definition, id, data, now);
                     let mut conn = self.store.pool().acquire().await.unwrap();
-                    <$store as SagaStore>::insert(&mut conn, &saga).await.unwrap();
+                    self.store.insert(&mut conn, &saga).await.unwrap();
                     saga
                 }
 
@@ -574,7 +574,7 @@ macro_rules! saga_ops_suite {
                     let mut saga = SagaInstance::under(&order, format!("s-{n}"), json!({}), at);
                     saga.status = status;
                     saga.parked = parked.then(|| "held".to_owned());
-                    <$store as SagaStore>::insert(&mut conn, &saga).await.unwrap();
+                    setup.store.insert(&mut conn, &saga).await.unwrap();
                 }
                 drop(conn);
                 let mut counts: Vec<(String, &str, i64)> = setup.store.counts().await.unwrap()
@@ -613,7 +613,7 @@ macro_rules! saga_ops_suite {
                 for n in 0..5 {
                     let at = minute + TimeDelta::minutes(10);
                     let saga = SagaInstance::under(&order, format!("t-{n}"), json!({}), at);
-                    <$store as SagaStore>::insert(&mut conn, &saga).await.unwrap();
+                    setup.store.insert(&mut conn, &saga).await.unwrap();
                 }
                 drop(conn);
                 let everything: Vec<String> = setup.store

@@ -124,8 +124,8 @@ macro_rules! start_suite {
 
             /// Each saga of `ids` completed with each step applied once; no other saga.
             async fn check(fx: &$fixture, ids: &[String]) {
-                assert_eq!(fx.scalar("SELECT COUNT(*) FROM saga_instances").await, ids.len() as i64, "one saga per start message");
-                assert_eq!(fx.scalar("SELECT COUNT(*) FROM saga_instances WHERE status <> 'completed'").await, 0);
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM sagabox_saga_instances").await, ids.len() as i64, "one saga per start message");
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM sagabox_saga_instances WHERE status <> 'completed'").await, 0);
                 assert_eq!(fx.scalar("SELECT COUNT(*) FROM ledger").await, 2 * ids.len() as i64, "each step applied once per saga");
                 assert_eq!(
                     fx.scalar("SELECT COUNT(*) FROM (SELECT saga_id, kind FROM ledger GROUP BY saga_id, kind HAVING COUNT(*) > 1) d").await,
@@ -157,7 +157,7 @@ macro_rules! start_suite {
                 assert!(!found.created);
                 assert_eq!(found.saga.id, first.id);
                 assert_eq!(found.saga.data, json!({"n": 1}), "the first start's data is kept");
-                assert_eq!(fx.scalar("SELECT COUNT(*) FROM saga_instances").await, 1);
+                assert_eq!(fx.scalar("SELECT COUNT(*) FROM sagabox_saga_instances").await, 1);
             }
 
             /// Eight tasks, each with its own connection, store the same start at once;
@@ -186,7 +186,7 @@ macro_rules! start_suite {
                     let id = SagaInstance::start_id("booking", &message.id);
                     assert!(started.iter().all(|s| s.saga.id == id), "round {round}: every caller got the one saga");
                     assert_eq!(started.iter().filter(|s| s.created).count(), 1, "round {round}: one caller created it");
-                    assert_eq!(fx.scalar("SELECT COUNT(*) FROM saga_instances").await, round as i64 + 1);
+                    assert_eq!(fx.scalar("SELECT COUNT(*) FROM sagabox_saga_instances").await, round as i64 + 1);
                 }
             }
 

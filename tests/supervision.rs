@@ -75,9 +75,7 @@ impl Dispatch for Scripted {
 async fn saga(store: &SqliteStore, id: &str, data: Value) {
     let saga = SagaInstance::new(id, "one", data, Utc::now());
     let mut conn = store.pool().acquire().await.unwrap();
-    <SqliteStore as SagaStore>::insert(&mut conn, &saga)
-        .await
-        .unwrap();
+    store.insert(&mut conn, &saga).await.unwrap();
 }
 
 async fn status(store: &SqliteStore, id: &str) -> String {

@@ -164,7 +164,7 @@ async fn a_saga_is_one_trace_across_the_broker() {
     dispatch.stop().await;
     participant.stop().await.unwrap();
     assert_eq!(
-        pg.scalar("SELECT COUNT(*) FROM saga_instances WHERE status = 'completed'")
+        pg.scalar("SELECT COUNT(*) FROM sagabox_saga_instances WHERE status = 'completed'")
             .await,
         2
     );

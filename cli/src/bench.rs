@@ -40,6 +40,7 @@ use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use sagabox::Schema;
 use sagabox::database::{Backend, redact};
 use sagabox::step::{StepError, StepHandler, StepPool, StepPoolConfig};
 use sagabox::{
@@ -855,8 +856,9 @@ pub(crate) async fn run(args: BenchArgs) -> Result<BenchReport, BoxError> {
                 .await?;
             let outcome = async {
                 sqlx::raw_sql(PG_SETUP).execute(&pool).await?;
-                let guard =
-                    InboxGuard::new(PostgresStore::new(pool.clone()), InboxConfig::default())?;
+                // sagabox's tables in the scratch schema too, beside the baseline's.
+                let store = PostgresStore::new(pool.clone()).with_schema(Schema::new(&schema)?);
+                let guard = InboxGuard::new(store, InboxConfig::default())?;
                 guard.migrate().await?;
                 let results = run_postgres(pool.clone(), guard.clone(), &args).await?;
                 if args.prefill > 0 {

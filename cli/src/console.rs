@@ -41,6 +41,8 @@ const CONNECTIONS: u32 = 4;
 pub(crate) struct ConsoleConfig {
     /// The database, as every subcommand takes it.
     pub(crate) database_url: String,
+    /// The schema of sagabox's tables in it.
+    pub(crate) schema: sagabox::Schema,
     /// The broker whose dead letters are shown; `None`: the page says how to add it.
     pub(crate) amqp: Option<AmqpConfig>,
     /// The source queues whose dead letters are shown.
@@ -155,7 +157,7 @@ pub(crate) async fn serve(
     stop: impl std::future::Future<Output = ()> + Send + 'static,
     ready: impl FnOnce(SocketAddr),
 ) -> Result<(), ConsoleError> {
-    let db = match open_migrated(&config.database_url, config.pool_size).await? {
+    let db = match open_migrated(&config.database_url, &config.schema, config.pool_size).await? {
         Opened::Postgres(store) => Db::Postgres(store),
         Opened::Sqlite(store) => Db::Sqlite(store),
         #[allow(unreachable_patterns)]
@@ -214,6 +216,10 @@ pub(crate) struct ConsoleArgs {
     /// postgres://user@host:port/db or sqlite:path/to/file.db
     #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = crate::args::DEFAULT_DATABASE_URL)]
     pub(crate) database_url: String,
+    /// The PostgreSQL schema that holds sagabox's tables (SQLite has none): give each
+    /// installation sharing a database its own.
+    #[arg(long, env = "SAGABOX_DB_SCHEMA", default_value = sagabox::Schema::DEFAULT_NAME)]
+    pub(crate) db_schema: sagabox::Schema,
     /// The RabbitMQ broker whose dead letters to show (amqp://user:password@host:port/vhost);
     /// without it the dead-letter page says how to add one.
     // The value from the environment stays out of `--help`: it may hold a password.
@@ -280,6 +286,7 @@ pub(crate) async fn run(
     }
     let config = ConsoleConfig {
         database_url: args.database_url,
+        schema: args.db_schema.clone(),
         amqp,
         dead_letter_queues: args.dead_letter_queues,
         listen: args.listen,
@@ -287,6 +294,7 @@ pub(crate) async fn run(
         token: args.token,
         inspect: InspectOptions {
             config: inbox,
+            schema: args.db_schema,
             ..InspectOptions::default()
         },
         pool_size: args.db_pool_size,

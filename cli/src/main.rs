@@ -88,6 +88,10 @@ enum Command {
         /// sqlite:path/to/file.db or postgres://user@host:port/db
         #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
+        /// The PostgreSQL schema that holds sagabox's tables (SQLite has none): give each
+        /// installation sharing a database its own.
+        #[arg(long, env = "SAGABOX_DB_SCHEMA", default_value = sagabox::Schema::DEFAULT_NAME)]
+        db_schema: sagabox::Schema,
         /// Orders to place (with --resume: the resumed run's number is kept).
         #[arg(long, default_value_t = 1000, value_parser = args::count)]
         orders: usize,
@@ -162,6 +166,10 @@ enum Command {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
         #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
+        /// The PostgreSQL schema that holds sagabox's tables (SQLite has none): give each
+        /// installation sharing a database its own.
+        #[arg(long, env = "SAGABOX_DB_SCHEMA", default_value = sagabox::Schema::DEFAULT_NAME)]
+        db_schema: sagabox::Schema,
         /// Queue names are <prefix>.<consumer_type>.
         #[arg(long, default_value = "sagabox")]
         queue_prefix: String,
@@ -211,6 +219,10 @@ enum Command {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
         #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
+        /// The PostgreSQL schema that holds sagabox's tables (SQLite has none): give each
+        /// installation sharing a database its own.
+        #[arg(long, env = "SAGABOX_DB_SCHEMA", default_value = sagabox::Schema::DEFAULT_NAME)]
+        db_schema: sagabox::Schema,
         /// Queue names are <prefix>.<consumer_type>; start messages go to
         /// <prefix>.<saga>.start.
         #[arg(long, default_value = "sagabox")]
@@ -245,6 +257,10 @@ enum Command {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
         #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
+        /// The PostgreSQL schema that holds sagabox's tables (SQLite has none): give each
+        /// installation sharing a database its own.
+        #[arg(long, env = "SAGABOX_DB_SCHEMA", default_value = sagabox::Schema::DEFAULT_NAME)]
+        db_schema: sagabox::Schema,
         /// Days a message stays deduplicated (as the inbox is configured).
         #[arg(long, default_value_t = 30)]
         ttl_days: u64,
@@ -287,6 +303,10 @@ enum Command {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
         #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
+        /// The PostgreSQL schema that holds sagabox's tables (SQLite has none): give each
+        /// installation sharing a database its own.
+        #[arg(long, env = "SAGABOX_DB_SCHEMA", default_value = sagabox::Schema::DEFAULT_NAME)]
+        db_schema: sagabox::Schema,
         /// Months ahead of the current one to create partitions for.
         #[arg(long, default_value_t = 2)]
         partitions_ahead: u32,
@@ -297,6 +317,10 @@ enum Command {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
         #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
+        /// The PostgreSQL schema that holds sagabox's tables (SQLite has none): give each
+        /// installation sharing a database its own.
+        #[arg(long, env = "SAGABOX_DB_SCHEMA", default_value = sagabox::Schema::DEFAULT_NAME)]
+        db_schema: sagabox::Schema,
         /// Only report what the pass would do.
         #[arg(long)]
         dry_run: bool,
@@ -589,6 +613,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
         Command::Console(args) => console::run(args, interrupted()).await,
         Command::Demo {
             database_url,
+            db_schema,
             orders,
             concurrency,
             duplicate_rate,
@@ -625,6 +650,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                 }),
                 clock_speed,
                 clock_start: None,
+                schema: db_schema,
             };
             if let Err(error) = config.validate() {
                 usage_error("demo", error);
@@ -644,6 +670,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             role,
             transport,
             database_url,
+            db_schema,
             queue_prefix,
             prefetch,
             workers,
@@ -689,6 +716,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                 inbox,
                 prune_interval: Duration::from_secs(3600),
                 pool_size: db_pool_size,
+                schema: db_schema,
             };
             sagabox_checkout::serve(&database_url, config, interrupted())
                 .await
@@ -699,6 +727,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             sagas,
             transport,
             database_url,
+            db_schema,
             queue_prefix,
             resume_interval_ms,
             history_retention_days,
@@ -744,13 +773,20 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                     .then(|| Duration::from_secs(history_retention_days.saturating_mul(86_400))),
                 inbox,
             };
-            orchestrate::run(&database_url, db_pool_size, config, interrupted())
-                .await
-                .map_err(|error| failed("orchestrate", error, false))?;
+            orchestrate::run(
+                &database_url,
+                &db_schema,
+                db_pool_size,
+                config,
+                interrupted(),
+            )
+            .await
+            .map_err(|error| failed("orchestrate", error, false))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Prune {
             database_url,
+            db_schema,
             dry_run,
             retention,
             history_retention_days,
@@ -758,7 +794,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             let config = retention
                 .config()
                 .unwrap_or_else(|error| usage_error("prune", error));
-            let pass = prune(&database_url, config.clone(), dry_run)
+            let pass = prune(&database_url, &db_schema, config.clone(), dry_run)
                 .await
                 .map_err(|error| failed("prune", error, false))?;
             let verb = if dry_run { "would be " } else { "" };
@@ -782,7 +818,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             )?;
             if history_retention_days > 0 {
                 let retention = Duration::from_secs(history_retention_days.saturating_mul(86_400));
-                let history = prune_history(&database_url, config, retention, dry_run)
+                let history = prune_history(&database_url, &db_schema, config, retention, dry_run)
                     .await
                     .map_err(|error| failed("prune", error, false))?;
                 emit(
@@ -798,6 +834,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
         }
         Command::Inspect {
             database_url,
+            db_schema,
             ttl_days,
             broker_retention_days,
             partitions_ahead,
@@ -813,6 +850,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             }
             let options = InspectOptions {
                 config: config.clone(),
+                schema: db_schema,
                 ..InspectOptions::default()
             };
             let mut inspected = inspect(&database_url, &options)
@@ -906,13 +944,14 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
         }
         Command::Migrate {
             database_url,
+            db_schema,
             partitions_ahead,
         } => {
             let config = InboxConfig::default().with_partitions_ahead(partitions_ahead);
             if let Err(error) = config.validate() {
                 usage_error("migrate", error);
             }
-            let created = migrate(&database_url, config)
+            let created = migrate(&database_url, &db_schema, config)
                 .await
                 .map_err(|error| failed("migrate", error, false))?;
             let created: Vec<String> = created.iter().map(ToString::to_string).collect();

@@ -7,11 +7,12 @@ use sagabox::amqp::{OrchestrateConfig, OrchestrateError, orchestrate};
 use sagabox::database::Backend;
 use sagabox::{InboxError, PostgresStore, SqliteStore};
 
-/// Opens the store at `url` with a pool of up to `connections` (the orchestrators'
+/// Opens the store at `url` (sagabox's tables in `schema`, on PostgreSQL) with a pool of up to `connections` (the orchestrators'
 /// drivers, the start consumers and setup share them) and drives `config`'s sagas until
 /// `shutdown` resolves.
 pub(crate) async fn run(
     url: &str,
+    schema: &sagabox::Schema,
     connections: u32,
     config: OrchestrateConfig,
     shutdown: impl Future<Output = ()> + Send,
@@ -20,7 +21,8 @@ pub(crate) async fn run(
         Backend::Postgres => {
             let store = PostgresStore::connect(url, connections)
                 .await
-                .map_err(InboxError::from)?;
+                .map_err(InboxError::from)?
+                .with_schema(schema.clone());
             orchestrate(store, config, shutdown).await
         }
         Backend::Sqlite => {

@@ -29,6 +29,10 @@ pub(crate) enum SagaCommand {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
         #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
+        /// The PostgreSQL schema that holds sagabox's tables (SQLite has none): give each
+        /// installation sharing a database its own.
+        #[arg(long, env = "SAGABOX_DB_SCHEMA", default_value = sagabox::Schema::DEFAULT_NAME)]
+        db_schema: sagabox::Schema,
         /// Only sagas in this state.
         #[arg(long)]
         status: Option<StateArg>,
@@ -47,6 +51,10 @@ pub(crate) enum SagaCommand {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
         #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
+        /// The PostgreSQL schema that holds sagabox's tables (SQLite has none): give each
+        /// installation sharing a database its own.
+        #[arg(long, env = "SAGABOX_DB_SCHEMA", default_value = sagabox::Schema::DEFAULT_NAME)]
+        db_schema: sagabox::Schema,
         /// The saga's id.
         id: String,
         /// Print one JSON object instead of text.
@@ -59,6 +67,10 @@ pub(crate) enum SagaCommand {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
         #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
+        /// The PostgreSQL schema that holds sagabox's tables (SQLite has none): give each
+        /// installation sharing a database its own.
+        #[arg(long, env = "SAGABOX_DB_SCHEMA", default_value = sagabox::Schema::DEFAULT_NAME)]
+        db_schema: sagabox::Schema,
         /// The saga's id.
         id: String,
         /// Why, recorded in the saga's history with who did it.
@@ -74,6 +86,10 @@ pub(crate) enum SagaCommand {
         /// postgres://user@host:port/db or sqlite:path/to/file.db
         #[arg(long, env = "SAGABOX_DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
         database_url: String,
+        /// The PostgreSQL schema that holds sagabox's tables (SQLite has none): give each
+        /// installation sharing a database its own.
+        #[arg(long, env = "SAGABOX_DB_SCHEMA", default_value = sagabox::Schema::DEFAULT_NAME)]
+        db_schema: sagabox::Schema,
         /// The saga's id.
         id: String,
         /// Why, recorded in the saga's history with who did it.
@@ -93,6 +109,16 @@ impl SagaCommand {
             | SagaCommand::Show { database_url, .. }
             | SagaCommand::Retry { database_url, .. }
             | SagaCommand::Cancel { database_url, .. } => database_url,
+        }
+    }
+
+    /// The schema of sagabox's tables.
+    pub(crate) fn schema(&self) -> &sagabox::Schema {
+        match self {
+            SagaCommand::List { db_schema, .. }
+            | SagaCommand::Show { db_schema, .. }
+            | SagaCommand::Retry { db_schema, .. }
+            | SagaCommand::Cancel { db_schema, .. } => db_schema,
         }
     }
 
@@ -153,7 +179,7 @@ pub(crate) enum SagaCommandError {
 
 /// Runs `command`; its answer prints as text or JSON.
 pub(crate) async fn run(command: SagaCommand) -> Result<Answer, SagaCommandError> {
-    let opened = open_migrated(command.database_url(), CONNECTIONS).await?;
+    let opened = open_migrated(command.database_url(), command.schema(), CONNECTIONS).await?;
     match opened {
         Opened::Postgres(store) => on(&store, command).await,
         Opened::Sqlite(store) => on(&store, command).await,

@@ -38,7 +38,7 @@ use common::children::Children;
 
 /// A running saga whose step still has a compensation (payment or inventory): one an
 /// operator may cancel.
-const CANCELLABLE: &str = "SELECT id FROM saga_instances WHERE status = 'running' \
+const CANCELLABLE: &str = "SELECT id FROM sagabox_saga_instances WHERE status = 'running' \
     AND parked_reason IS NULL AND current_step <= 1 ORDER BY created_at DESC LIMIT 1";
 
 /// Cancels one cancellable saga with the built `sagabox saga cancel`, as an operator
@@ -88,7 +88,7 @@ async fn cancel_one(fx: &common::Pg, journal: &mut String) -> Option<String> {
 /// Retries every parked saga, as an operator would after fixing the cause.
 async fn retry_parked(fx: &common::Pg, journal: &mut String) {
     let parked: Vec<String> =
-        sqlx::query_scalar("SELECT id FROM saga_instances WHERE parked_reason IS NOT NULL")
+        sqlx::query_scalar("SELECT id FROM sagabox_saga_instances WHERE parked_reason IS NOT NULL")
             .fetch_all(&fx.pool)
             .await
             .unwrap();
@@ -226,7 +226,7 @@ async fn killed_twenty_times_and_resumed_every_invariant_holds() {
     for id in &cancelled {
         let (status, cancels): (String, i64) = sqlx::query_as(
             "SELECT s.status, (SELECT COUNT(*) FROM sagabox_saga_events e \
-             WHERE e.saga_id = s.id AND e.kind = 'cancelled') FROM saga_instances s WHERE s.id = $1",
+             WHERE e.saga_id = s.id AND e.kind = 'cancelled') FROM sagabox_saga_instances s WHERE s.id = $1",
         )
         .bind(id)
         .fetch_one(&fx.pool)

@@ -195,9 +195,7 @@ timeout = "5s"
     saga.status = SagaStatus::Running;
     saga.parked = Some("<img src=x onerror=alert('reason')>".into());
     let mut conn = store.pool().acquire().await.unwrap();
-    <sagabox::PostgresStore as SagaStore>::insert(&mut conn, &saga)
-        .await
-        .unwrap();
+    store.insert(&mut conn, &saga).await.unwrap();
     fx
 }
 
@@ -217,23 +215,23 @@ async fn every_page_shows_what_sql_counts() {
     for (state, sql) in [
         (
             "running",
-            "SELECT count(*) FROM saga_instances WHERE status = 'running' AND parked_reason IS NULL",
+            "SELECT count(*) FROM sagabox_saga_instances WHERE status = 'running' AND parked_reason IS NULL",
         ),
         (
             "compensating",
-            "SELECT count(*) FROM saga_instances WHERE status = 'compensating' AND parked_reason IS NULL",
+            "SELECT count(*) FROM sagabox_saga_instances WHERE status = 'compensating' AND parked_reason IS NULL",
         ),
         (
             "parked",
-            "SELECT count(*) FROM saga_instances WHERE parked_reason IS NOT NULL",
+            "SELECT count(*) FROM sagabox_saga_instances WHERE parked_reason IS NOT NULL",
         ),
         (
             "completed",
-            "SELECT count(*) FROM saga_instances WHERE status = 'completed'",
+            "SELECT count(*) FROM sagabox_saga_instances WHERE status = 'completed'",
         ),
         (
             "compensated",
-            "SELECT count(*) FROM saga_instances WHERE status = 'compensated'",
+            "SELECT count(*) FROM sagabox_saga_instances WHERE status = 'compensated'",
         ),
     ] {
         let shown = number_after(
@@ -245,7 +243,7 @@ async fn every_page_shows_what_sql_counts() {
     }
     let completed = count(
         &fx,
-        "SELECT count(*) FROM saga_instances WHERE status = 'completed'",
+        "SELECT count(*) FROM sagabox_saga_instances WHERE status = 'completed'",
     )
     .await;
     assert!(completed > 0, "the demo completed sagas");
@@ -291,7 +289,7 @@ async fn every_page_shows_what_sql_counts() {
     );
 
     // The list: 50 a page, newest first, and the next page carries on without overlap.
-    let all = count(&fx, "SELECT count(*) FROM saga_instances").await;
+    let all = count(&fx, "SELECT count(*) FROM sagabox_saga_instances").await;
     let first = page(&console, "/sagas").await;
     let links = saga_links(&first);
     assert_eq!(links.len() as i64, all.min(50));
@@ -310,7 +308,7 @@ async fn every_page_shows_what_sql_counts() {
     let shown = saga_links(&compensated).len() as i64;
     let sql = count(
         &fx,
-        "SELECT count(*) FROM saga_instances WHERE status = 'compensated'",
+        "SELECT count(*) FROM sagabox_saga_instances WHERE status = 'compensated'",
     )
     .await;
     assert_eq!(shown, sql.min(50));
@@ -419,11 +417,12 @@ async fn the_pages_read_an_sqlite_file_too() {
     let console = Console::start(&fx.url, &[]);
     let overview = page(&console, "/").await;
     for state in ["completed", "compensated"] {
-        let sql: i64 = sqlx::query_scalar("SELECT count(*) FROM saga_instances WHERE status = $1")
-            .bind(state)
-            .fetch_one(&fx.pool)
-            .await
-            .unwrap();
+        let sql: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM sagabox_saga_instances WHERE status = $1")
+                .bind(state)
+                .fetch_one(&fx.pool)
+                .await
+                .unwrap();
         let shown = number_after(
             &overview,
             &format!("id=\"count-{state}\""),
@@ -483,7 +482,7 @@ async fn actions_need_the_flag_the_csrf_token_and_off_loopback_the_token() {
         assert!(body.contains("CSRF"), "{body}");
     }
     assert!(
-        count(&fx, "SELECT count(*) FROM saga_instances WHERE id = 'hostile-1' AND parked_reason IS NOT NULL").await == 1,
+        count(&fx, "SELECT count(*) FROM sagabox_saga_instances WHERE id = 'hostile-1' AND parked_reason IS NOT NULL").await == 1,
         "refused actions change nothing"
     );
     let (status, _) = post(
@@ -496,7 +495,7 @@ async fn actions_need_the_flag_the_csrf_token_and_off_loopback_the_token() {
     assert_eq!(
         count(
             &fx,
-            "SELECT count(*) FROM saga_instances WHERE id = 'hostile-1' AND parked_reason IS NULL"
+            "SELECT count(*) FROM sagabox_saga_instances WHERE id = 'hostile-1' AND parked_reason IS NULL"
         )
         .await,
         1

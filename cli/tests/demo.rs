@@ -141,7 +141,7 @@ macro_rules! demo_suite {
                 let deadline = Instant::now() + Duration::from_secs(120);
                 loop {
                     let done = sqlx::query_scalar::<_, i64>(
-                        "SELECT COUNT(*) FROM saga_instances WHERE status IN ('completed', 'compensated')",
+                        "SELECT COUNT(*) FROM sagabox_saga_instances WHERE status IN ('completed', 'compensated')",
                     )
                     .fetch_one(&fx.pool)
                     .await
@@ -155,7 +155,7 @@ macro_rules! demo_suite {
                 }
                 assert!(common::chaos::kill(&mut demo), "the demo had ended before the kill");
                 let placed = fx.scalar("SELECT COUNT(*) FROM demo_orders").await;
-                let unfinished = fx.scalar("SELECT COUNT(*) FROM saga_instances WHERE status NOT IN ('completed', 'compensated')").await;
+                let unfinished = fx.scalar("SELECT COUNT(*) FROM sagabox_saga_instances WHERE status NOT IN ('completed', 'compensated')").await;
                 assert!(placed < 3000 || unfinished > 0, "killed part-way: {placed} placed, {unfinished} unfinished");
 
                 let resumed = Command::new(env!("CARGO_BIN_EXE_sagabox"))

@@ -82,10 +82,10 @@ async fn inspect_after_a_demo_prints_a_table_and_json_that_match_sql() {
     ));
     let report: serde_json::Value = serde_json::from_str(json.trim()).expect("one JSON object");
     let completed = db
-        .scalar("SELECT COUNT(*) FROM saga_instances WHERE status = 'completed'")
+        .scalar("SELECT COUNT(*) FROM sagabox_saga_instances WHERE status = 'completed'")
         .await;
     let compensated = db
-        .scalar("SELECT COUNT(*) FROM saga_instances WHERE status = 'compensated'")
+        .scalar("SELECT COUNT(*) FROM sagabox_saga_instances WHERE status = 'compensated'")
         .await;
     assert_eq!(
         report["sagas"]["by_status"]["completed"].as_i64(),

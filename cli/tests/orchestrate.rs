@@ -5,7 +5,7 @@
 //! are answered with its id; a trip without a car is compensated, the hotel cancelled
 //! before the flight. And `sagabox serve --role all` runs checkout sagas from start
 //! messages the same way. Every check reads the participants' tables and
-//! `saga_instances`.
+//! `sagabox_saga_instances`.
 
 #![allow(clippy::unwrap_used)]
 
@@ -32,7 +32,7 @@ async fn wait_finished(fx: &common::Pg, driver: &mut std::process::Child, what: 
     loop {
         let finished = fx
             .scalar(
-                "SELECT COUNT(*) FROM saga_instances WHERE status IN ('completed', 'compensated')",
+                "SELECT COUNT(*) FROM sagabox_saga_instances WHERE status IN ('completed', 'compensated')",
             )
             .await;
         if finished == sagas {
@@ -147,17 +147,18 @@ async fn orchestrate_drives_trips_whose_participants_run_elsewhere_and_a_repeate
     // Both sagas end; one row each.
     wait_finished(&fx, &mut children[0], "orchestrate", 2).await;
     assert_eq!(
-        fx.scalar("SELECT COUNT(*) FROM saga_instances").await,
+        fx.scalar("SELECT COUNT(*) FROM sagabox_saga_instances")
+            .await,
         2,
         "one saga per start request"
     );
     assert_eq!(
-        fx.scalar("SELECT COUNT(*) FROM saga_instances WHERE status = 'completed'")
+        fx.scalar("SELECT COUNT(*) FROM sagabox_saga_instances WHERE status = 'completed'")
             .await,
         1
     );
     assert_eq!(
-        fx.scalar("SELECT COUNT(*) FROM saga_instances WHERE status = 'compensated'")
+        fx.scalar("SELECT COUNT(*) FROM sagabox_saga_instances WHERE status = 'compensated'")
             .await,
         1
     );
@@ -290,9 +291,9 @@ async fn serve_all_runs_checkout_sagas_from_start_messages_once_each() {
     }
     wait_finished(&fx, &mut children[0], "serve", 3).await;
     for (sql, expected) in [
-        ("SELECT COUNT(*) FROM saga_instances", 3),
+        ("SELECT COUNT(*) FROM sagabox_saga_instances", 3),
         (
-            "SELECT COUNT(*) FROM saga_instances WHERE status = 'completed'",
+            "SELECT COUNT(*) FROM sagabox_saga_instances WHERE status = 'completed'",
             1,
         ),
         (

@@ -97,9 +97,7 @@ async fn sagas(store: &sagabox::PostgresStore) {
     done.current_step = 3;
     let mut conn = store.pool().acquire().await.unwrap();
     for saga in [&parked, &running, &done] {
-        <sagabox::PostgresStore as SagaStore>::insert(&mut conn, saga)
-            .await
-            .unwrap();
+        store.insert(&mut conn, saga).await.unwrap();
     }
 }
 

@@ -18,7 +18,7 @@ use serde_json::json;
 const HOSTILE: [&str; 10] = [
     "'); DROP TABLE sagabox_inbox; --",
     "x' OR '1'='1",
-    "\"; DELETE FROM saga_instances; --",
+    "\"; DELETE FROM sagabox_saga_instances; --",
     "$1, $2) ON CONFLICT DO NOTHING; --",
     "%_%",
     "back\\slash\\'",

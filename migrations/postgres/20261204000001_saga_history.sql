@@ -8,20 +8,20 @@
 -- running saga is compensated (or parked); NULL when its definition has none. Command
 -- round: raised when a saga is parked on a step's final answer (refused, rejected), so
 -- that the step's next command is a new message; 0 again once the saga moves on.
-ALTER TABLE saga_instances
+ALTER TABLE sagabox_saga_instances
     ADD COLUMN definition_version integer     NOT NULL DEFAULT 1,
     ADD COLUMN parked_reason      text,
     ADD COLUMN deadline_at        timestamptz,
     ADD COLUMN command_round      integer     NOT NULL DEFAULT 0;
 
 -- Resume passes skip parked sagas: an orchestrator leaves them to an operator.
-DROP INDEX saga_instances_unfinished;
-CREATE INDEX saga_instances_unfinished ON saga_instances (saga_name, created_at)
+DROP INDEX sagabox_saga_instances_unfinished;
+CREATE INDEX sagabox_saga_instances_unfinished ON sagabox_saga_instances (saga_name, created_at)
     WHERE status IN ('running', 'compensating') AND parked_reason IS NULL;
-CREATE INDEX saga_instances_parked ON saga_instances (updated_at)
+CREATE INDEX sagabox_saga_instances_parked ON sagabox_saga_instances (updated_at)
     WHERE parked_reason IS NOT NULL;
 -- `sagabox saga list`: newest first, by status and definition.
-CREATE INDEX saga_instances_listing ON saga_instances (status, saga_name, created_at);
+CREATE INDEX sagabox_saga_instances_listing ON sagabox_saga_instances (status, saga_name, created_at);
 
 -- Every definition version an orchestrator has run, so that a saga started under an
 -- older version is driven on its own steps after the TOML changed. The definition is
@@ -37,7 +37,7 @@ CREATE TABLE sagabox_saga_definitions (
 );
 
 -- One row per thing that happened to a saga, written in the same statement as the saga
--- state it changes: every save of a saga (which bumps `saga_instances.version`) writes
+-- state it changes: every save of a saga (which bumps `sagabox_saga_instances.version`) writes
 -- its events under that new version, so history and state never disagree. `ordinal`
 -- orders the events of one save. Partitioned by the month the saga was created, so that
 -- a month of history is dropped whole once its sagas are finished and its retention

@@ -1,6 +1,6 @@
 -- Saga instances driven by the orchestrator. One row per saga; the orchestrator updates
 -- it after every step, so a restarted orchestrator resumes from here.
-CREATE TABLE saga_instances (
+CREATE TABLE sagabox_saga_instances (
     id           TEXT    PRIMARY KEY,
     saga_name    TEXT    NOT NULL,
     status       TEXT    NOT NULL CHECK (status IN ('running', 'compensating', 'completed', 'compensated')),
@@ -14,5 +14,5 @@ CREATE TABLE saga_instances (
     -- Bumped by every save; a save from a stale copy changes nothing (see SagaStore::save).
     version      INTEGER NOT NULL DEFAULT 0
 );
-CREATE INDEX saga_instances_unfinished ON saga_instances (created_at)
+CREATE INDEX sagabox_saga_instances_unfinished ON sagabox_saga_instances (created_at)
     WHERE status IN ('running', 'compensating');

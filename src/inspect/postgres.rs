@@ -2,19 +2,24 @@
 
 use chrono::{DateTime, Datelike, NaiveDate, Utc};
 use sqlx::postgres::PgConnection;
-use sqlx::{Connection, Row};
+use sqlx::{AssertSqlSafe, Connection, Row};
 
 use super::{DuplicateReport, Facts, InspectError, SagaRow, database_error, merge_duplicates};
 use crate::database::redact;
 use crate::month::Month;
+use crate::schema::Schema;
 use crate::store::PARTITION_PREFIX;
 
 /// Reads every figure; `windows` are the starts of the last hour and the last day.
-pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Facts, InspectError> {
+pub(super) async fn facts(
+    url: &str,
+    schema: &Schema,
+    windows: [DateTime<Utc>; 2],
+) -> Result<Facts, InspectError> {
     let failed = database_error(url);
     let options = crate::database::postgres_options(url)?.application_name("sagabox-inspect");
     let mut conn = crate::database::connect_postgres(url, &options).await?;
-    check_migrated(url, &mut conn).await?;
+    check_migrated(url, schema, &mut conn).await?;
     // One snapshot: the partitions, their rows and the sagas all agree with each other.
     let mut tx = conn
         .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
@@ -25,15 +30,16 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
     let sizes = sqlx::query(
         "SELECT c.relname::text AS name, pg_total_relation_size(c.oid) AS bytes \
          FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-         WHERE i.inhparent = 'sagabox_inbox'::regclass",
+         WHERE i.inhparent = to_regclass($1)",
     )
+    .bind(schema.table("sagabox_inbox"))
     .fetch_all(&mut *tx)
     .await
     .map_err(&failed)?;
-    let rows = sqlx::query(
+    let rows = sqlx::query(AssertSqlSafe(schema.sql(
         "SELECT bucket, COUNT(*) AS n, MIN(processed_at) AS oldest, MAX(processed_at) AS newest \
-         FROM sagabox_inbox GROUP BY bucket",
-    )
+         FROM {schema}.sagabox_inbox GROUP BY bucket",
+    )))
     .fetch_all(&mut *tx)
     .await
     .map_err(&failed)?;
@@ -63,20 +69,21 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
     }
     facts.partitions.sort_by_key(|(month, ..)| *month);
 
-    let pruned: Option<NaiveDate> =
-        sqlx::query_scalar("SELECT pruned_through FROM sagabox_inbox_pruned")
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(&failed)?;
+    let pruned: Option<NaiveDate> = sqlx::query_scalar(AssertSqlSafe(
+        schema.sql("SELECT pruned_through FROM {schema}.sagabox_inbox_pruned"),
+    ))
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(&failed)?;
     facts.pruned_through = pruned.and_then(|day| Month::new(day.year(), day.month()).ok());
 
-    let duplicates = sqlx::query(
+    let duplicates = sqlx::query(AssertSqlSafe(schema.sql(
         "SELECT consumer_type, \
                 COALESCE(SUM(duplicates) FILTER (WHERE last_duplicate_at >= $1), 0)::bigint AS last_hour, \
                 COALESCE(SUM(duplicates) FILTER (WHERE last_duplicate_at >= $2), 0)::bigint AS last_day, \
                 SUM(duplicates)::bigint AS in_inbox \
-         FROM sagabox_inbox WHERE duplicates > 0 GROUP BY consumer_type",
-    )
+         FROM {schema}.sagabox_inbox WHERE duplicates > 0 GROUP BY consumer_type",
+    )))
     .bind(windows[0])
     .bind(windows[1])
     .fetch_all(&mut *tx)
@@ -94,10 +101,10 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
         );
     }
 
-    let statuses = sqlx::query(
+    let statuses = sqlx::query(AssertSqlSafe(schema.sql(
         "SELECT CASE WHEN parked_reason IS NULL THEN status ELSE 'parked' END AS state, \
-                COUNT(*) AS n FROM saga_instances GROUP BY 1",
-    )
+                COUNT(*) AS n FROM {schema}.sagabox_saga_instances GROUP BY 1",
+    )))
     .fetch_all(&mut *tx)
     .await
     .map_err(&failed)?;
@@ -107,12 +114,13 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
             row.try_get("n").map_err(&failed)?,
         );
     }
-    let oldest = sqlx::query(
+    let oldest = sqlx::query(AssertSqlSafe(schema.sql(
         "SELECT id, saga_name, status, current_step::bigint AS current_step, \
                 attempts::bigint AS attempts, created_at, updated_at, last_error \
-         FROM saga_instances WHERE status IN ('running', 'compensating') AND parked_reason IS NULL \
+         FROM {schema}.sagabox_saga_instances \
+         WHERE status IN ('running', 'compensating') AND parked_reason IS NULL \
          ORDER BY created_at LIMIT 1",
-    )
+    )))
     .fetch_optional(&mut *tx)
     .await
     .map_err(&failed)?;
@@ -132,12 +140,13 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
         .transpose()
         .map_err(&failed)?;
 
-    let (pending, oldest_pending): (i64, Option<DateTime<Utc>>) = sqlx::query_as(
-        "SELECT COUNT(*), MIN(created_at) FROM sagabox_outbox WHERE sent_at IS NULL",
-    )
-    .fetch_one(&mut *tx)
-    .await
-    .map_err(&failed)?;
+    let (pending, oldest_pending): (i64, Option<DateTime<Utc>>) =
+        sqlx::query_as(AssertSqlSafe(schema.sql(
+            "SELECT COUNT(*), MIN(created_at) FROM {schema}.sagabox_outbox WHERE sent_at IS NULL",
+        )))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(&failed)?;
     facts.outbox_pending = pending;
     facts.oldest_pending_at = oldest_pending;
     tx.rollback().await.map_err(&failed)?;
@@ -145,8 +154,12 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
 }
 
 /// Refuses a database where any of this version's migrations has not run.
-async fn check_migrated(url: &str, conn: &mut PgConnection) -> Result<(), InspectError> {
-    match crate::database::unapplied_postgres(conn)
+async fn check_migrated(
+    url: &str,
+    schema: &Schema,
+    conn: &mut PgConnection,
+) -> Result<(), InspectError> {
+    match crate::database::unapplied_postgres(conn, schema)
         .await
         .map_err(database_error(url))?
     {

@@ -103,7 +103,7 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
 
     let statuses = sqlx::query(
         "SELECT CASE WHEN parked_reason IS NULL THEN status ELSE 'parked' END AS state, \
-                COUNT(*) AS n FROM saga_instances GROUP BY 1",
+                COUNT(*) AS n FROM sagabox_saga_instances GROUP BY 1",
     )
     .fetch_all(&mut *tx)
     .await
@@ -117,7 +117,7 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
     // Timestamps are RFC 3339 text in UTC, which sorts in time order.
     let oldest = sqlx::query(
         "SELECT id, saga_name, status, current_step, attempts, created_at, updated_at, last_error \
-         FROM saga_instances WHERE status IN ('running', 'compensating') AND parked_reason IS NULL \
+         FROM sagabox_saga_instances WHERE status IN ('running', 'compensating') AND parked_reason IS NULL \
          ORDER BY created_at LIMIT 1",
     )
     .fetch_optional(&mut *tx)

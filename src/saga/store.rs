@@ -1,4 +1,4 @@
-//! [`SagaStore`]: the SQL that reads and writes saga instances (`saga_instances`), their
+//! [`SagaStore`]: the SQL that reads and writes saga instances (`sagabox_saga_instances`), their
 //! history (`sagabox_saga_events`) and the definition versions the orchestrators have run
 //! (`sagabox_saga_definitions`), on PostgreSQL and SQLite.
 //!
@@ -11,7 +11,7 @@ use std::future::Future;
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::types::Json;
-use sqlx::{Database, Row};
+use sqlx::{AssertSqlSafe, Database, Row};
 
 use crate::month::Month;
 use crate::saga::history::{self, HistoryEntry, SagaEvent};
@@ -159,6 +159,7 @@ pub trait SagaStore: Clone + Send + Sync + 'static {
     /// Inserts `instance`, and its `started` event, with the caller's connection (inside
     /// the caller's transaction, if it has one).
     fn insert(
+        &self,
         conn: &mut <Self::SagaDb as Database>::Connection,
         instance: &SagaInstance,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
@@ -269,7 +270,7 @@ macro_rules! saga_columns {
 macro_rules! insert_saga {
     () => {
         concat!(
-            "INSERT INTO saga_instances (",
+            "INSERT INTO {schema}.sagabox_saga_instances (",
             saga_columns!(),
             ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
         )
@@ -279,7 +280,7 @@ macro_rules! insert_saga {
 /// Writes a save's progress behind the version fence (`$8`, the version it read).
 macro_rules! save_progress {
     () => {
-        "UPDATE saga_instances SET status = $2, current_step = $3, attempts = $4, data = $5, \
+        "UPDATE {schema}.sagabox_saga_instances SET status = $2, current_step = $3, attempts = $4, data = $5, \
          updated_at = $6, last_error = $7, parked_reason = $9, deadline_at = $10, \
          command_round = $11, version = version + 1 WHERE id = $1 AND version = $8"
     };
@@ -289,7 +290,7 @@ macro_rules! save_progress {
 #[cfg(feature = "postgres")]
 macro_rules! pg_started_event {
     () => {
-        "INSERT INTO sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind) \
+        "INSERT INTO {schema}.sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind) \
          SELECT id, created_at, 0, 0, $8, 'started' FROM saga"
     };
 }
@@ -300,9 +301,9 @@ const CREATE_ATTEMPTS: usize = 3;
 const SELECT: &str = concat!(
     "SELECT ",
     saga_columns!(),
-    ", version FROM saga_instances WHERE id = $1"
+    ", version FROM {schema}.sagabox_saga_instances WHERE id = $1"
 );
-const UNFINISHED: &str = "SELECT id FROM saga_instances WHERE saga_name = $1 \
+const UNFINISHED: &str = "SELECT id FROM {schema}.sagabox_saga_instances WHERE saga_name = $1 \
     AND status IN ('running', 'compensating') AND parked_reason IS NULL ORDER BY created_at, id";
 /// The start of [`SagaStore::list`]'s query, to which it adds only the filters given
 /// (each an `AND …`), so each filter is an index condition and the page cursor a range
@@ -310,20 +311,20 @@ const UNFINISHED: &str = "SELECT id FROM saga_instances WHERE saga_name = $1 \
 const LIST_SELECT: &str = concat!(
     "SELECT ",
     saga_columns!(),
-    ", version FROM saga_instances WHERE TRUE"
+    ", version FROM {schema}.sagabox_saga_instances WHERE TRUE"
 );
 /// Sagas per definition and state.
 const COUNTS: &str = "SELECT saga_name, status, parked_reason IS NOT NULL AS parked, \
-    COUNT(*) AS sagas FROM saga_instances GROUP BY saga_name, status, parked_reason IS NOT NULL";
+    COUNT(*) AS sagas FROM {schema}.sagabox_saga_instances GROUP BY saga_name, status, parked_reason IS NOT NULL";
 const HISTORY: &str = "SELECT version, at, kind, step, direction, attempt, duration_ms, detail \
-    FROM sagabox_saga_events WHERE saga_id = $1 ORDER BY version, ordinal";
-const REGISTER: &str = "INSERT INTO sagabox_saga_definitions \
+    FROM {schema}.sagabox_saga_events WHERE saga_id = $1 ORDER BY version, ordinal";
+const REGISTER: &str = "INSERT INTO {schema}.sagabox_saga_definitions \
     (name, version, fingerprint, definition, first_seen) VALUES ($1, $2, $3, $4, $5) \
     ON CONFLICT (name, version) DO NOTHING";
 const STORED_FINGERPRINT: &str =
-    "SELECT fingerprint FROM sagabox_saga_definitions WHERE name = $1 AND version = $2";
+    "SELECT fingerprint FROM {schema}.sagabox_saga_definitions WHERE name = $1 AND version = $2";
 const STORED_DEFINITION: &str =
-    "SELECT definition FROM sagabox_saga_definitions WHERE name = $1 AND version = $2";
+    "SELECT definition FROM {schema}.sagabox_saga_definitions WHERE name = $1 AND version = $2";
 
 /// The SQL that differs between the two databases.
 #[cfg(feature = "postgres")]
@@ -347,7 +348,7 @@ mod pg {
     /// Finished sagas per minute (as seconds since the epoch) and status.
     pub(super) const FINISHED_PER_MINUTE: &str = "SELECT \
         CAST(floor(extract(epoch FROM updated_at) / 60) * 60 AS BIGINT) AS minute, status, \
-        COUNT(*) AS sagas FROM saga_instances \
+        COUNT(*) AS sagas FROM {schema}.sagabox_saga_instances \
         WHERE status IN ('completed', 'compensated') AND updated_at >= $1 \
         GROUP BY 1, 2 ORDER BY 1, 2";
     /// Saves the state and its events in one statement: no event row without the state's
@@ -356,7 +357,7 @@ mod pg {
         "WITH saga AS (",
         save_progress!(),
         " RETURNING id, created_at, version) \
-        INSERT INTO sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind, \
+        INSERT INTO {schema}.sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind, \
             step, direction, attempt, duration_ms, detail) \
         SELECT saga.id, saga.created_at, saga.version, e.ordinal, e.at, e.kind, e.step, \
             e.direction, e.attempt, e.duration_ms, e.detail \
@@ -371,16 +372,16 @@ mod lite {
     pub(super) const INSERT: &str = insert_saga!();
     pub(super) const INSERT_IF_ABSENT: &str =
         concat!(insert_saga!(), " ON CONFLICT (id) DO NOTHING");
-    pub(super) const STARTED: &str = "INSERT INTO sagabox_saga_events \
+    pub(super) const STARTED: &str = "INSERT INTO {schema}.sagabox_saga_events \
         (saga_id, saga_created_at, version, ordinal, at, kind) VALUES ($1, $2, 0, 0, $3, 'started')";
     pub(super) const UPDATE: &str = concat!(save_progress!(), " RETURNING version");
     /// Finished sagas per minute (as seconds since the epoch) and status: the stored
     /// timestamps are RFC 3339 text, which `unixepoch` reads.
     pub(super) const FINISHED_PER_MINUTE: &str = "SELECT \
         (unixepoch(updated_at) / 60) * 60 AS minute, status, COUNT(*) AS sagas \
-        FROM saga_instances WHERE status IN ('completed', 'compensated') AND updated_at >= $1 \
+        FROM {schema}.sagabox_saga_instances WHERE status IN ('completed', 'compensated') AND updated_at >= $1 \
         GROUP BY 1, 2 ORDER BY 1, 2";
-    pub(super) const EVENTS: &str = "INSERT INTO sagabox_saga_events (saga_id, saga_created_at, \
+    pub(super) const EVENTS: &str = "INSERT INTO {schema}.sagabox_saga_events (saga_id, saga_created_at, \
         version, ordinal, at, kind, step, direction, attempt, duration_ms, detail) \
         SELECT $1, $2, $3, json_extract(value, '$.ordinal'), json_extract(value, '$.at'), \
             json_extract(value, '$.kind'), json_extract(value, '$.step'), \
@@ -480,7 +481,7 @@ fn command_round(instance: &SagaInstance) -> i32 {
 macro_rules! common_methods {
     ($db:ty, $finished_per_minute:expr) => {
         async fn load(&self, id: &str) -> Result<Option<SagaInstance>, sqlx::Error> {
-            let row = sqlx::query(SELECT)
+            let row = sqlx::query(AssertSqlSafe(self.schema().sql(SELECT)))
                 .bind(id)
                 .fetch_optional(self.pool())
                 .await?;
@@ -488,14 +489,17 @@ macro_rules! common_methods {
         }
 
         async fn unfinished(&self, saga_name: &str) -> Result<Vec<String>, sqlx::Error> {
-            sqlx::query_scalar(UNFINISHED)
+            sqlx::query_scalar(AssertSqlSafe(self.schema().sql(UNFINISHED)))
                 .bind(saga_name)
                 .fetch_all(self.pool())
                 .await
         }
 
         async fn history(&self, id: &str) -> Result<Vec<HistoryEntry>, sqlx::Error> {
-            let rows = sqlx::query(HISTORY).bind(id).fetch_all(self.pool()).await?;
+            let rows = sqlx::query(AssertSqlSafe(self.schema().sql(HISTORY)))
+                .bind(id)
+                .fetch_all(self.pool())
+                .await?;
             rows.iter().map(entry_from_row).collect()
         }
 
@@ -505,7 +509,7 @@ macro_rules! common_methods {
         ) -> Result<(), RegisterError> {
             let fingerprint = definition.fingerprint();
             let version = i32::try_from(definition.version()).unwrap_or(i32::MAX);
-            sqlx::query(REGISTER)
+            sqlx::query(AssertSqlSafe(self.schema().sql(REGISTER)))
                 .bind(definition.name())
                 .bind(version)
                 .bind(&fingerprint)
@@ -513,11 +517,12 @@ macro_rules! common_methods {
                 .bind(Utc::now())
                 .execute(self.pool())
                 .await?;
-            let stored: String = sqlx::query_scalar(STORED_FINGERPRINT)
-                .bind(definition.name())
-                .bind(version)
-                .fetch_one(self.pool())
-                .await?;
+            let stored: String =
+                sqlx::query_scalar(AssertSqlSafe(self.schema().sql(STORED_FINGERPRINT)))
+                    .bind(definition.name())
+                    .bind(version)
+                    .fetch_one(self.pool())
+                    .await?;
             if stored == fingerprint {
                 Ok(())
             } else {
@@ -533,7 +538,7 @@ macro_rules! common_methods {
             name: &str,
             version: u32,
         ) -> Result<Option<String>, sqlx::Error> {
-            sqlx::query_scalar(STORED_DEFINITION)
+            sqlx::query_scalar(AssertSqlSafe(self.schema().sql(STORED_DEFINITION)))
                 .bind(name)
                 .bind(i32::try_from(version).unwrap_or(i32::MAX))
                 .fetch_optional(self.pool())
@@ -541,7 +546,7 @@ macro_rules! common_methods {
         }
 
         async fn list(&self, filter: &SagaFilter) -> Result<Vec<SagaInstance>, sqlx::Error> {
-            let mut query = sqlx::QueryBuilder::<$db>::new(LIST_SELECT);
+            let mut query = sqlx::QueryBuilder::<$db>::new(self.schema().sql(LIST_SELECT));
             let (status, parked) = state_params(filter);
             if let Some(status) = status {
                 query.push(" AND status = ").push_bind(status);
@@ -573,7 +578,9 @@ macro_rules! common_methods {
         }
 
         async fn counts(&self) -> Result<Vec<SagaCount>, sqlx::Error> {
-            let rows = sqlx::query(COUNTS).fetch_all(self.pool()).await?;
+            let rows = sqlx::query(AssertSqlSafe(self.schema().sql(COUNTS)))
+                .fetch_all(self.pool())
+                .await?;
             rows.iter()
                 .map(|row| {
                     let status: String = row.try_get("status")?;
@@ -598,7 +605,7 @@ macro_rules! common_methods {
             &self,
             since: DateTime<Utc>,
         ) -> Result<Vec<FinishedMinute>, sqlx::Error> {
-            let rows = sqlx::query($finished_per_minute)
+            let rows = sqlx::query(AssertSqlSafe(self.schema().sql($finished_per_minute)))
                 .bind(since)
                 .fetch_all(self.pool())
                 .await?;
@@ -622,29 +629,31 @@ macro_rules! common_methods {
 }
 
 /// The history rows of finished sagas created before a month's start.
-const FINISHED_HISTORY: &str = "FROM sagabox_saga_events WHERE saga_created_at < $1 \
-    AND NOT EXISTS (SELECT 1 FROM saga_instances s \
+const FINISHED_HISTORY: &str = "FROM {schema}.sagabox_saga_events WHERE saga_created_at < $1 \
+    AND NOT EXISTS (SELECT 1 FROM {schema}.sagabox_saga_instances s \
     WHERE s.id = sagabox_saga_events.saga_id AND s.status IN ('running', 'compensating'))";
 
 /// Deletes (or, dry, counts) the history rows left of finished sagas created before
 /// `before`: every row on SQLite; on PostgreSQL those the partitions dropped whole did
 /// not take (the default partition's, and months with an unfinished saga).
 macro_rules! delete_finished_history {
-    ($pool:expr, $before:expr, $dry_run:expr) => {{
+    ($pool:expr, $schema:expr, $before:expr, $dry_run:expr) => {{
         if $dry_run {
-            let rows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-                "SELECT COUNT(*) {FINISHED_HISTORY}"
-            )))
+            let rows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(
+                $schema.sql(&format!("SELECT COUNT(*) {FINISHED_HISTORY}")),
+            ))
             .bind($before.start())
             .fetch_one($pool)
             .await?;
             u64::try_from(rows).unwrap_or(0)
         } else {
-            sqlx::query(sqlx::AssertSqlSafe(format!("DELETE {FINISHED_HISTORY}")))
-                .bind($before.start())
-                .execute($pool)
-                .await?
-                .rows_affected()
+            sqlx::query(sqlx::AssertSqlSafe(
+                $schema.sql(&format!("DELETE {FINISHED_HISTORY}")),
+            ))
+            .bind($before.start())
+            .execute($pool)
+            .await?
+            .rows_affected()
         }
     }};
 }
@@ -692,21 +701,28 @@ impl SagaStore for crate::PostgresStore {
     type SagaDb = sqlx::Postgres;
 
     async fn insert(
+        &self,
         conn: &mut sqlx::PgConnection,
         instance: &SagaInstance,
     ) -> Result<(), sqlx::Error> {
-        bind_instance!(sqlx::query(pg::INSERT), instance)
-            .execute(&mut *conn)
-            .await?;
+        bind_instance!(
+            sqlx::query(AssertSqlSafe(self.schema().sql(pg::INSERT))),
+            instance
+        )
+        .execute(&mut *conn)
+        .await?;
         Ok(())
     }
 
     async fn create_if_absent(&self, instance: &SagaInstance) -> Result<Started, sqlx::Error> {
         for _ in 0..CREATE_ATTEMPTS {
-            let inserted = bind_instance!(sqlx::query(pg::INSERT_IF_ABSENT), instance)
-                .execute(self.pool())
-                .await?
-                .rows_affected()
+            let inserted = bind_instance!(
+                sqlx::query(AssertSqlSafe(self.schema().sql(pg::INSERT_IF_ABSENT))),
+                instance
+            )
+            .execute(self.pool())
+            .await?
+            .rows_affected()
                 == 1;
             if let Some(started) = started(self, instance, inserted).await? {
                 return Ok(started);
@@ -725,7 +741,7 @@ impl SagaStore for crate::PostgresStore {
         } else {
             pg::SAVE
         };
-        let query = bind_progress!(sqlx::query(sql), instance);
+        let query = bind_progress!(sqlx::query(AssertSqlSafe(self.schema().sql(sql))), instance);
         let query = if events.is_empty() {
             query
         } else {
@@ -742,7 +758,9 @@ impl SagaStore for crate::PostgresStore {
     async fn prepare_history(&self, months: &[Month]) -> Result<Vec<Month>, sqlx::Error> {
         let mut created = Vec::new();
         for &month in months {
-            let name = format!("{HISTORY_PARTITION_PREFIX}{}", month.suffix());
+            let name = self
+                .schema()
+                .table(&format!("{HISTORY_PARTITION_PREFIX}{}", month.suffix()));
             let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
                 .bind(&name)
                 .fetch_one(self.pool())
@@ -753,8 +771,9 @@ impl SagaStore for crate::PostgresStore {
             let Some(next) = month.next() else { continue };
             // The bounds are dates the program formats, never input.
             let create = format!(
-                "CREATE TABLE {name} PARTITION OF sagabox_saga_events \
+                "CREATE TABLE {name} PARTITION OF {} \
                  FOR VALUES FROM ('{}') TO ('{}')",
+                self.schema().table("sagabox_saga_events"),
                 month.start().format("%Y-%m-%d %H:%M:%S+00"),
                 next.start().format("%Y-%m-%d %H:%M:%S+00"),
             );
@@ -781,8 +800,9 @@ impl SagaStore for crate::PostgresStore {
     ) -> Result<HistoryPruned, sqlx::Error> {
         let partitions: Vec<String> = sqlx::query_scalar(
             "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-             WHERE i.inhparent = 'sagabox_saga_events'::regclass ORDER BY 1",
+             WHERE i.inhparent = to_regclass($1) ORDER BY 1",
         )
+        .bind(self.schema().table("sagabox_saga_events"))
         .fetch_all(self.pool())
         .await?;
         let mut pruned = HistoryPruned::default();
@@ -794,10 +814,10 @@ impl SagaStore for crate::PostgresStore {
             if month >= before {
                 continue;
             }
-            let unfinished: bool = sqlx::query_scalar(
-                "SELECT EXISTS (SELECT 1 FROM saga_instances WHERE created_at >= $1 \
+            let unfinished: bool = sqlx::query_scalar(AssertSqlSafe(self.schema().sql(
+                "SELECT EXISTS (SELECT 1 FROM {schema}.sagabox_saga_instances WHERE created_at >= $1 \
                  AND created_at < $2 AND status IN ('running', 'compensating'))",
-            )
+            )))
             .bind(month.start())
             .bind(month.end())
             .fetch_one(self.pool())
@@ -807,20 +827,25 @@ impl SagaStore for crate::PostgresStore {
             }
             if dry_run {
                 // Counted below with the rows a real pass deletes one by one.
-                let rows: i64 =
-                    sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM {name}")))
-                        .fetch_one(self.pool())
-                        .await?;
+                let rows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                    "SELECT COUNT(*) FROM {}",
+                    self.schema().table(&name)
+                )))
+                .fetch_one(self.pool())
+                .await?;
                 in_dropped += u64::try_from(rows).unwrap_or(0);
             } else {
-                sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {name}")))
-                    .execute(self.pool())
-                    .await?;
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                    "DROP TABLE {}",
+                    self.schema().table(&name)
+                )))
+                .execute(self.pool())
+                .await?;
             }
             pruned.months_dropped.push(month);
         }
-        pruned.rows_deleted =
-            delete_finished_history!(self.pool(), before, dry_run).saturating_sub(in_dropped);
+        pruned.rows_deleted = delete_finished_history!(self.pool(), self.schema(), before, dry_run)
+            .saturating_sub(in_dropped);
         Ok(pruned)
     }
 
@@ -832,16 +857,20 @@ impl SagaStore for crate::SqliteStore {
     type SagaDb = sqlx::Sqlite;
 
     async fn insert(
+        &self,
         conn: &mut sqlx::SqliteConnection,
         instance: &SagaInstance,
     ) -> Result<(), sqlx::Error> {
         use sqlx::Connection;
         // A savepoint inside the caller's transaction, a transaction of its own otherwise.
         let mut tx = conn.begin().await?;
-        bind_instance!(sqlx::query(lite::INSERT), instance)
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(lite::STARTED)
+        bind_instance!(
+            sqlx::query(AssertSqlSafe(self.schema().sql(lite::INSERT))),
+            instance
+        )
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(AssertSqlSafe(self.schema().sql(lite::STARTED)))
             .bind(&instance.id)
             .bind(instance.created_at)
             .bind(instance.updated_at)
@@ -853,13 +882,16 @@ impl SagaStore for crate::SqliteStore {
     async fn create_if_absent(&self, instance: &SagaInstance) -> Result<Started, sqlx::Error> {
         for _ in 0..CREATE_ATTEMPTS {
             let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
-            let inserted = bind_instance!(sqlx::query(lite::INSERT_IF_ABSENT), instance)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected()
+            let inserted = bind_instance!(
+                sqlx::query(AssertSqlSafe(self.schema().sql(lite::INSERT_IF_ABSENT))),
+                instance
+            )
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
                 == 1;
             if inserted {
-                sqlx::query(lite::STARTED)
+                sqlx::query(AssertSqlSafe(self.schema().sql(lite::STARTED)))
                     .bind(&instance.id)
                     .bind(instance.created_at)
                     .bind(instance.updated_at)
@@ -880,14 +912,17 @@ impl SagaStore for crate::SqliteStore {
         events: &[SagaEvent],
     ) -> Result<bool, sqlx::Error> {
         let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
-        let version: Option<i64> = bind_progress!(sqlx::query_scalar(lite::UPDATE), instance)
-            .fetch_optional(&mut *tx)
-            .await?;
+        let version: Option<i64> = bind_progress!(
+            sqlx::query_scalar(AssertSqlSafe(self.schema().sql(lite::UPDATE))),
+            instance
+        )
+        .fetch_optional(&mut *tx)
+        .await?;
         let Some(version) = version else {
             return Ok(false);
         };
         if !events.is_empty() {
-            sqlx::query(lite::EVENTS)
+            sqlx::query(AssertSqlSafe(self.schema().sql(lite::EVENTS)))
                 .bind(&instance.id)
                 .bind(instance.created_at)
                 .bind(version)
@@ -911,7 +946,7 @@ impl SagaStore for crate::SqliteStore {
     ) -> Result<HistoryPruned, sqlx::Error> {
         Ok(HistoryPruned {
             months_dropped: Vec::new(),
-            rows_deleted: delete_finished_history!(self.pool(), before, dry_run),
+            rows_deleted: delete_finished_history!(self.pool(), self.schema(), before, dry_run),
         })
     }
 

@@ -26,13 +26,15 @@ use sqlx::{AssertSqlSafe, Connection, Postgres, Row, Transaction};
 use crate::database::ConnectError;
 use crate::envelope::ConsumerType;
 use crate::month::Month;
+use crate::schema::Schema;
 use crate::store::{
     BatchClaim, ClaimKey, Claimed, FirstDelivery, InboxStore, MaintenanceLock, PARTITION_PREFIX,
     PartitionCreation,
 };
 
-/// The PostgreSQL migrations, embedded at build time.
-pub static MIGRATOR: Migrator = sqlx::migrate!("migrations/postgres");
+/// The PostgreSQL migrations, embedded at build time. They create unqualified names and
+/// run with `search_path` set to the store's schema (see `store::layout`).
+pub(crate) static MIGRATOR: Migrator = sqlx::migrate!("migrations/postgres");
 
 /// Advisory lock class of sagabox ('Saga' in ASCII), clear of other users' locks taken
 /// with a single bigint key. Object 0 serialises partition DDL; claims use the key hash.
@@ -65,13 +67,30 @@ fn key_lock(key: &ClaimKey<'_>) -> i32 {
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     pool: PgPool,
+    schema: Schema,
 }
 
 impl PostgresStore {
-    /// A store on an existing pool. The pool's connections must use the schema the
-    /// migrations ran in.
+    /// A store on an existing pool, with its tables in the default schema (`sagabox`;
+    /// see [`with_schema`](Self::with_schema)). The pool may be one the application
+    /// shares: every statement names its schema, none changes the connection's settings.
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            schema: Schema::default(),
+        }
+    }
+
+    /// The same store with its tables in `schema` instead: several installations of
+    /// sagabox can share one database, each in a schema of its own.
+    pub fn with_schema(mut self, schema: Schema) -> Self {
+        self.schema = schema;
+        self
+    }
+
+    /// The schema that holds the store's tables.
+    pub fn schema(&self) -> &Schema {
+        &self.schema
     }
 
     /// Connects a pool of up to `max_connections` to `url`
@@ -99,7 +118,7 @@ impl PostgresStore {
             .connect_with(options)
             .await
             .map_err(failed)?;
-        Ok(Self { pool })
+        Ok(Self::new(pool))
     }
 
     /// The pool, for the caller's own queries.
@@ -108,8 +127,9 @@ impl PostgresStore {
     }
 }
 
-fn partition_name(month: Month) -> String {
-    format!("{PARTITION_PREFIX}{}", month.suffix())
+/// The inbox partition of `month`, in `schema`: `"sagabox".sagabox_inbox_2026_12`.
+fn partition_name(schema: &Schema, month: Month) -> String {
+    schema.table(&format!("{PARTITION_PREFIX}{}", month.suffix()))
 }
 
 /// Tries the key's advisory lock (`$1`, `$2`) and looks up its first delivery (`$3`,
@@ -127,15 +147,16 @@ fn partition_name(month: Month) -> String {
 /// statement on the parent gets a generic plan that opens every partition before pruning
 /// at run time, which makes the lookup cost more than the insert it guards. Without one
 /// it reads every live partition.
-fn claim_sql(key: &ClaimKey<'_>) -> String {
+fn claim_sql(schema: &Schema, key: &ClaimKey<'_>) -> String {
     let from = if key.probe_all {
-        "SELECT processed_at, result FROM sagabox_inbox \
-         WHERE consumer_type = $3 AND message_id = $4 ORDER BY processed_at LIMIT 1"
-            .to_owned()
+        schema.sql(
+            "SELECT processed_at, result FROM {schema}.sagabox_inbox \
+             WHERE consumer_type = $3 AND message_id = $4 ORDER BY processed_at LIMIT 1",
+        )
     } else {
         format!(
             "SELECT processed_at, result FROM {} WHERE consumer_type = $3 AND message_id = $4",
-            partition_name(key.bucket)
+            partition_name(schema, key.bucket)
         )
     };
     format!(
@@ -157,12 +178,12 @@ fn claim_sql(key: &ClaimKey<'_>) -> String {
 /// row exists; [`claim_counting_sql`] (after waiting for the lock if need be) then tells
 /// which, in a statement whose fresh snapshot sees the row that won. Only duplicates pay
 /// for that second statement.
-fn claim_fast_sql(key: &ClaimKey<'_>) -> String {
+fn claim_fast_sql(schema: &Schema, key: &ClaimKey<'_>) -> String {
     format!(
         "INSERT INTO {} (consumer_type, message_id, bucket, processed_at, result) \
          SELECT $1, $2, $3, $4, 'null'::jsonb WHERE pg_try_advisory_xact_lock($5, $6) \
          ON CONFLICT DO NOTHING",
-        partition_name(key.bucket)
+        partition_name(schema, key.bucket)
     )
 }
 
@@ -178,7 +199,7 @@ fn claim_fast_sql(key: &ClaimKey<'_>) -> String {
 /// Kept apart from the insert on purpose: folded into it (an `UPDATE` in the insert's
 /// statement), every fresh claim paid for the update's index probe, and the guard's
 /// throughput at 20 % duplicates fell by more than the saved round trip gained.
-fn claim_counting_sql(key: &ClaimKey<'_>) -> String {
+fn claim_counting_sql(schema: &Schema, key: &ClaimKey<'_>) -> String {
     format!(
         "WITH k AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($1, $2) AS locked), \
          dup AS ( \
@@ -188,7 +209,7 @@ fn claim_counting_sql(key: &ClaimKey<'_>) -> String {
              RETURNING processed_at, result, \
                        set_config('synchronous_commit', 'off', true) AS async_commit) \
          SELECT k.locked, d.processed_at, d.result FROM k LEFT JOIN dup d ON true",
-        partition_name(key.bucket)
+        partition_name(schema, key.bucket)
     )
 }
 
@@ -272,6 +293,7 @@ fn claim_batch_fast_sql(target: &str) -> String {
 /// partition the keys name (usually one), one through the parent for the keys whose
 /// earlier deliveries may be in any partition.
 async fn lookup_batch(
+    schema: &Schema,
     tx: &mut Transaction<'static, Postgres>,
     consumer_type: &ConsumerType,
     keys: &[ClaimKey<'_>],
@@ -290,12 +312,13 @@ async fn lookup_batch(
             Some(month) => format!(
                 "SELECT message_id, processed_at, result FROM {} \
                  WHERE consumer_type = $1 AND message_id = ANY($2)",
-                partition_name(month)
+                partition_name(schema, month)
             ),
-            None => "SELECT DISTINCT ON (message_id) message_id, processed_at, result \
-                     FROM sagabox_inbox WHERE consumer_type = $1 AND message_id = ANY($2) \
-                     ORDER BY message_id, processed_at"
-                .to_owned(),
+            None => schema.sql(
+                "SELECT DISTINCT ON (message_id) message_id, processed_at, result \
+                 FROM {schema}.sagabox_inbox WHERE consumer_type = $1 AND message_id = ANY($2) \
+                 ORDER BY message_id, processed_at",
+            ),
         };
         let rows: Vec<(String, DateTime<Utc>, Json<Value>)> = sqlx::query_as(AssertSqlSafe(sql))
             .bind(consumer_type.as_str())
@@ -342,9 +365,9 @@ impl PostgresStore {
         // tuple routing per row.
         let bucket = keys[0].bucket;
         let target = if keys.iter().all(|key| key.bucket == bucket) {
-            partition_name(bucket)
+            partition_name(&self.schema, bucket)
         } else {
-            "sagabox_inbox".to_owned()
+            self.schema.table("sagabox_inbox")
         };
         let missed: Vec<(String, bool)> =
             sqlx::query_as(AssertSqlSafe(claim_batch_fast_sql(&target)))
@@ -371,7 +394,7 @@ impl PostgresStore {
             .filter(|key| missed.contains(key.message_id.as_str()))
             .copied()
             .collect();
-        let mut found = lookup_batch(&mut tx, consumer_type, &existing).await?;
+        let mut found = lookup_batch(&self.schema, &mut tx, consumer_type, &existing).await?;
         let claims = keys
             .iter()
             .map(|key| {
@@ -410,7 +433,7 @@ impl InboxStore for PostgresStore {
         // The SQL is rendered where it runs: the insert-first claim of a fresh message
         // never renders the lookup.
         let lookup = || {
-            sqlx::query(AssertSqlSafe(claim_sql(key)))
+            sqlx::query(AssertSqlSafe(claim_sql(&self.schema, key)))
                 .bind(LOCK_CLASS)
                 .bind(lock)
                 .bind(key.consumer_type.as_str())
@@ -436,7 +459,7 @@ impl InboxStore for PostgresStore {
             return Ok((tx, claimed));
         };
 
-        let inserted = sqlx::query(AssertSqlSafe(claim_fast_sql(key)))
+        let inserted = sqlx::query(AssertSqlSafe(claim_fast_sql(&self.schema, key)))
             .bind(key.consumer_type.as_str())
             .bind(key.message_id.as_str())
             .bind(key.bucket.first_day())
@@ -454,7 +477,7 @@ impl InboxStore for PostgresStore {
         // (if any) ended. No row then (the holder rolled back) leaves the claim fresh
         // with the lock held, and the row is written after the handler.
         let row = once_locked(&mut tx, lock, || {
-            sqlx::query(AssertSqlSafe(claim_counting_sql(key)))
+            sqlx::query(AssertSqlSafe(claim_counting_sql(&self.schema, key)))
                 .bind(LOCK_CLASS)
                 .bind(lock)
                 .bind(key.consumer_type.as_str())
@@ -503,7 +526,7 @@ impl InboxStore for PostgresStore {
             .bind(&locks)
             .execute(&mut *tx)
             .await?;
-        let mut found = lookup_batch(&mut tx, consumer_type, keys).await?;
+        let mut found = lookup_batch(&self.schema, &mut tx, consumer_type, keys).await?;
         let claims = keys
             .iter()
             .map(|key| Claimed::found(found.remove(key.message_id.as_str())))
@@ -525,11 +548,11 @@ impl InboxStore for PostgresStore {
         let results: Vec<Json<&Value>> = results.iter().map(|result| Json(*result)).collect();
         // The rows are this transaction's own inserts; the bucket in the join lets the
         // planner prune to their partitions.
-        let done = sqlx::query(
-            "UPDATE sagabox_inbox i SET result = u.result \
+        let done = sqlx::query(AssertSqlSafe(self.schema.sql(
+            "UPDATE {schema}.sagabox_inbox i SET result = u.result \
                FROM unnest($2::text[], $3::date[], $4::jsonb[]) AS u(message_id, bucket, result) \
               WHERE i.consumer_type = $1 AND i.message_id = u.message_id AND i.bucket = u.bucket",
-        )
+        )))
         .bind(consumer_type.as_str())
         .bind(&ids)
         .bind(&buckets)
@@ -552,12 +575,12 @@ impl InboxStore for PostgresStore {
         let ids: Vec<&str> = keys.iter().map(|key| key.message_id.as_str()).collect();
         let buckets: Vec<NaiveDate> = keys.iter().map(|key| key.bucket.first_day()).collect();
         let results: Vec<Json<&Value>> = results.iter().map(|result| Json(*result)).collect();
-        let done = sqlx::query(
-            "INSERT INTO sagabox_inbox (consumer_type, message_id, bucket, processed_at, result) \
+        let done = sqlx::query(AssertSqlSafe(self.schema.sql(
+            "INSERT INTO {schema}.sagabox_inbox (consumer_type, message_id, bucket, processed_at, result) \
              SELECT $1, u.message_id, u.bucket, $2, u.result \
                FROM unnest($3::text[], $4::date[], $5::jsonb[]) AS u(message_id, bucket, result) \
              ON CONFLICT DO NOTHING",
-        )
+        )))
         .bind(consumer_type.as_str())
         .bind(processed_at)
         .bind(&ids)
@@ -578,10 +601,10 @@ impl InboxStore for PostgresStore {
         // Through the parent: tuple routing finds the month's partition at about the
         // cost of a direct insert, and the statement stays one prepared text for every
         // month instead of one per partition name.
-        let done = sqlx::query(
-            "INSERT INTO sagabox_inbox (consumer_type, message_id, bucket, processed_at, result) \
+        let done = sqlx::query(AssertSqlSafe(self.schema.sql(
+            "INSERT INTO {schema}.sagabox_inbox (consumer_type, message_id, bucket, processed_at, result) \
              VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
-        )
+        )))
         .bind(key.consumer_type.as_str())
         .bind(key.message_id.as_str())
         .bind(key.bucket.first_day())
@@ -601,7 +624,7 @@ impl InboxStore for PostgresStore {
         // The row is this transaction's own insert, in the partition the claim named.
         sqlx::query(AssertSqlSafe(format!(
             "UPDATE {} SET result = $3 WHERE consumer_type = $1 AND message_id = $2",
-            partition_name(key.bucket)
+            partition_name(&self.schema, key.bucket)
         )))
         .bind(key.consumer_type.as_str())
         .bind(key.message_id.as_str())
@@ -625,9 +648,9 @@ impl InboxStore for PostgresStore {
         // directly (see `claim_sql` on generic plans); without one, the parent is
         // searched for the row the claim returned.
         let target = if key.probe_all {
-            "sagabox_inbox".to_owned()
+            self.schema.table("sagabox_inbox")
         } else {
-            partition_name(key.bucket)
+            partition_name(&self.schema, key.bucket)
         };
         sqlx::query(AssertSqlSafe(format!(
             "WITH async_commit AS (SELECT set_config('synchronous_commit', 'off', true)) \
@@ -646,19 +669,22 @@ impl InboxStore for PostgresStore {
     }
 
     async fn create_partition(&self, month: Month) -> Result<PartitionCreation, sqlx::Error> {
-        let name = partition_name(month);
+        let name = partition_name(&self.schema, month);
+        let parent = self.schema.table("sagabox_inbox");
         let mut tx = self.pool.begin().await?;
         // Serialises with other creators and with the pruner's watermark update.
         wait_for_lock(&mut tx, DDL_LOCK).await?;
-        let (exists, attached, pruned_through): (bool, bool, Option<NaiveDate>) = sqlx::query_as(
-            "SELECT to_regclass($1) IS NOT NULL, \
+        let (exists, attached, pruned_through): (bool, bool, Option<NaiveDate>) =
+            sqlx::query_as(AssertSqlSafe(self.schema.sql(
+                "SELECT to_regclass($1) IS NOT NULL, \
                     EXISTS (SELECT 1 FROM pg_inherits \
-                             WHERE inhparent = 'sagabox_inbox'::regclass AND inhrelid = to_regclass($1)), \
-                    (SELECT pruned_through FROM sagabox_inbox_pruned)",
-        )
-        .bind(&name)
-        .fetch_one(&mut *tx)
-        .await?;
+                             WHERE inhparent = to_regclass($2) AND inhrelid = to_regclass($1)), \
+                    (SELECT pruned_through FROM {schema}.sagabox_inbox_pruned)",
+            )))
+            .bind(&name)
+            .bind(&parent)
+            .fetch_one(&mut *tx)
+            .await?;
         if pruned_through.is_some_and(|through| month.first_day() <= through) {
             tx.commit().await?;
             return Ok(PartitionCreation::Pruned);
@@ -679,12 +705,12 @@ impl InboxStore for PostgresStore {
         // inserts and lookups do not conflict with. `name` and both bounds are rendered
         // from a validated Month: no outside text.
         sqlx::query(AssertSqlSafe(format!(
-            "CREATE TABLE {name} (LIKE sagabox_inbox INCLUDING ALL)"
+            "CREATE TABLE {name} (LIKE {parent} INCLUDING ALL)"
         )))
         .execute(&mut *tx)
         .await?;
         sqlx::query(AssertSqlSafe(format!(
-            "ALTER TABLE sagabox_inbox ATTACH PARTITION {name} FOR VALUES FROM ('{}') TO ('{}')",
+            "ALTER TABLE {parent} ATTACH PARTITION {name} FOR VALUES FROM ('{}') TO ('{}')",
             month.first_day(),
             month.end().date_naive(),
         )))
@@ -697,9 +723,10 @@ impl InboxStore for PostgresStore {
     async fn partitions(&self) -> Result<Vec<Month>, sqlx::Error> {
         let names: Vec<String> = sqlx::query_scalar(
             "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
-             WHERE n.nspname = current_schema() AND c.relkind = 'r' \
+             WHERE n.nspname = $1 AND c.relkind = 'r' \
                AND c.relname ~ '^sagabox_inbox_[0-9]{4}_[0-9]{2}$'",
         )
+        .bind(self.schema.name())
         .fetch_all(&self.pool)
         .await?;
         let mut months: Vec<Month> = names
@@ -728,16 +755,17 @@ impl InboxStore for PostgresStore {
     }
 
     async fn drop_partition(&self, month: Month) -> Result<bool, sqlx::Error> {
-        let name = partition_name(month);
+        let name = partition_name(&self.schema, month);
+        let parent = self.schema.table("sagabox_inbox");
         // The watermark first, under the creators' lock, and committed: from here on no
         // claim can recreate this month, even between the detach and the drop below.
         let mut tx = self.pool.begin().await?;
         wait_for_lock(&mut tx, DDL_LOCK).await?;
-        sqlx::query(
-            "INSERT INTO sagabox_inbox_pruned (pruned_through) VALUES ($1) \
+        sqlx::query(AssertSqlSafe(self.schema.sql(
+            "INSERT INTO {schema}.sagabox_inbox_pruned AS p (pruned_through) VALUES ($1) \
              ON CONFLICT (singleton) DO UPDATE \
-             SET pruned_through = GREATEST(sagabox_inbox_pruned.pruned_through, excluded.pruned_through)",
-        )
+             SET pruned_through = GREATEST(p.pruned_through, excluded.pruned_through)",
+        )))
         .bind(month.first_day())
         .execute(&mut *tx)
         .await?;
@@ -746,10 +774,11 @@ impl InboxStore for PostgresStore {
         let mut conn = self.pool.acquire().await?;
         let state: Option<(bool, Option<bool>)> = sqlx::query_as(
             "SELECT true, (SELECT inhdetachpending FROM pg_inherits \
-                            WHERE inhparent = 'sagabox_inbox'::regclass AND inhrelid = to_regclass($1)) \
+                            WHERE inhparent = to_regclass($2) AND inhrelid = to_regclass($1)) \
              WHERE to_regclass($1) IS NOT NULL",
         )
         .bind(&name)
+        .bind(&parent)
         .fetch_optional(&mut *conn)
         .await?;
         let Some((_, detach_pending)) = state else {
@@ -766,7 +795,7 @@ impl InboxStore for PostgresStore {
         };
         if let Some(how) = detach {
             sqlx::raw_sql(AssertSqlSafe(format!(
-                "ALTER TABLE sagabox_inbox DETACH PARTITION {name} {how}"
+                "ALTER TABLE {parent} DETACH PARTITION {name} {how}"
             )))
             .execute(&mut *conn)
             .await?;
@@ -786,6 +815,15 @@ impl InboxStore for PostgresStore {
     }
 
     async fn migrate(&self) -> Result<(), MigrateError> {
-        MIGRATOR.run(&self.pool).await
+        // A connection of its own, closed afterwards: the migrations run with
+        // `search_path` set to the schema, which must not reach the pool.
+        let mut conn = self.pool.acquire().await?.detach();
+        let migrated = super::layout::migrate_postgres(&mut conn, &self.schema, &MIGRATOR).await;
+        let _ = conn.close().await;
+        migrated
+    }
+
+    fn schema(&self) -> &Schema {
+        &self.schema
     }
 }

@@ -21,24 +21,29 @@ use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection, Transaction};
 
 use crate::database::ConnectError;
 use crate::month::Month;
+use crate::schema::Schema;
 use crate::store::{
     BatchClaim, ClaimKey, Claimed, FirstDelivery, InboxStore, PARTITION_PREFIX, PartitionCreation,
 };
 
 /// The SQLite migrations, embedded at build time.
-pub static MIGRATOR: Migrator = sqlx::migrate!("migrations/sqlite");
+pub(crate) static MIGRATOR: Migrator = sqlx::migrate!("migrations/sqlite");
 
 /// The inbox in SQLite.
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     pool: SqlitePool,
+    schema: Schema,
 }
 
 impl SqliteStore {
     /// A store on an existing pool. Give its connections a `busy_timeout`: writers queue
     /// on SQLite's single write lock.
     pub fn new(pool: SqlitePool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            schema: Schema::sqlite(),
+        }
     }
 
     /// Opens (creating if missing) the database at `url` (`sqlite:path/to/file.db`) with
@@ -62,12 +67,17 @@ impl SqliteStore {
             .connect_with(options)
             .await
             .map_err(failed)?;
-        Ok(Self { pool })
+        Ok(Self::new(pool))
     }
 
     /// The pool, for the caller's own queries.
     pub fn pool(&self) -> &SqlitePool {
         &self.pool
+    }
+
+    /// The schema of the store's tables: always `main`, the file's own database.
+    pub fn schema(&self) -> &Schema {
+        &self.schema
     }
 }
 
@@ -398,8 +408,14 @@ impl InboxStore for SqliteStore {
         matches!(error, sqlx::Error::Database(e) if e.message().contains("no such table"))
     }
 
+    fn schema(&self) -> &Schema {
+        &self.schema
+    }
+
     async fn migrate(&self) -> Result<(), MigrateError> {
-        MIGRATOR.run(&self.pool).await?;
+        let mut conn = self.pool.acquire().await?;
+        super::layout::migrate_sqlite(&mut conn, &MIGRATOR).await?;
+        drop(conn);
         upgrade_tables(&self.pool)
             .await
             .map_err(MigrateError::Execute)

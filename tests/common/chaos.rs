@@ -53,12 +53,12 @@ pub async fn count(fx: &super::Pg, sql: &'static str) -> i64 {
 
 /// Sagas in a terminal state.
 pub const FINISHED: &str =
-    "SELECT COUNT(*) FROM saga_instances WHERE status IN ('completed', 'compensated')";
+    "SELECT COUNT(*) FROM sagabox_saga_instances WHERE status IN ('completed', 'compensated')";
 /// Orders placed.
 pub const PLACED: &str = "SELECT COUNT(*) FROM demo_orders";
 /// Sagas not in a terminal state.
 pub const UNFINISHED: &str =
-    "SELECT COUNT(*) FROM saga_instances WHERE status NOT IN ('completed', 'compensated')";
+    "SELECT COUNT(*) FROM sagabox_saga_instances WHERE status NOT IN ('completed', 'compensated')";
 
 /// How long a run may go without any progress before a test gives up on it. Far above
 /// what a resume takes to get going in a debug build on a busy machine; reached only

@@ -19,22 +19,22 @@ pub const CHECKOUT: [(&str, &str); 10] = [
     ),
     (
         "saga neither completed nor compensated",
-        "SELECT COUNT(*) FROM saga_instances WHERE status NOT IN ('completed', 'compensated')",
+        "SELECT COUNT(*) FROM sagabox_saga_instances WHERE status NOT IN ('completed', 'compensated')",
     ),
     (
         "order without its saga",
-        "SELECT COUNT(*) FROM demo_orders o WHERE NOT EXISTS (SELECT 1 FROM saga_instances s WHERE s.id = o.saga_id)",
+        "SELECT COUNT(*) FROM demo_orders o WHERE NOT EXISTS (SELECT 1 FROM sagabox_saga_instances s WHERE s.id = o.saga_id)",
     ),
     (
         "completed order without exactly one charge, no refund and one email",
-        "SELECT COUNT(*) FROM demo_orders o JOIN saga_instances s ON s.id = o.saga_id WHERE s.status = 'completed' AND ( \
+        "SELECT COUNT(*) FROM demo_orders o JOIN sagabox_saga_instances s ON s.id = o.saga_id WHERE s.status = 'completed' AND ( \
         (SELECT COUNT(*) FROM payment_charges c WHERE c.order_id = o.id AND c.kind = 'charge') <> 1 OR \
         (SELECT COUNT(*) FROM payment_charges c WHERE c.order_id = o.id AND c.kind = 'refund') <> 0 OR \
         (SELECT COUNT(*) FROM emails_sent e WHERE e.order_id = o.id) <> 1)",
     ),
     (
         "compensated order whose charges and refunds do not net to zero, or with an email",
-        "SELECT COUNT(*) FROM demo_orders o JOIN saga_instances s ON s.id = o.saga_id WHERE s.status = 'compensated' AND ( \
+        "SELECT COUNT(*) FROM demo_orders o JOIN sagabox_saga_instances s ON s.id = o.saga_id WHERE s.status = 'compensated' AND ( \
         (SELECT COALESCE(SUM(CASE kind WHEN 'charge' THEN amount_cents ELSE -amount_cents END), 0) \
            FROM payment_charges c WHERE c.order_id = o.id) <> 0 OR \
         (SELECT COUNT(*) FROM emails_sent e WHERE e.order_id = o.id) <> 0)",
@@ -42,7 +42,7 @@ pub const CHECKOUT: [(&str, &str); 10] = [
     (
         "sku whose stock is not initial minus the completed orders",
         "SELECT COUNT(*) FROM inventory i WHERE i.on_hand <> i.initial - COALESCE((SELECT SUM(o.quantity) \
-        FROM demo_orders o JOIN saga_instances s ON s.id = o.saga_id WHERE o.sku = i.sku AND s.status = 'completed'), 0)",
+        FROM demo_orders o JOIN sagabox_saga_instances s ON s.id = o.saga_id WHERE o.sku = i.sku AND s.status = 'completed'), 0)",
     ),
     (
         "sku with negative stock",
@@ -50,7 +50,7 @@ pub const CHECKOUT: [(&str, &str); 10] = [
     ),
     (
         "saga whose history disagrees with its state (a version without its events, or events past its version)",
-        "SELECT COUNT(*) FROM saga_instances s WHERE \
+        "SELECT COUNT(*) FROM sagabox_saga_instances s WHERE \
         (SELECT COUNT(DISTINCT e.version) FROM sagabox_saga_events e WHERE e.saga_id = s.id) <> s.version + 1 OR \
         (SELECT MAX(e.version) FROM sagabox_saga_events e WHERE e.saga_id = s.id) <> s.version",
     ),

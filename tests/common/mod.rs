@@ -81,6 +81,21 @@ fn unique_name(prefix: &str) -> String {
     format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
 }
 
+/// The test's own pool on `url`: its `search_path` also holds sagabox's schema, so a
+/// test reads `sagabox_inbox` unqualified, while tables it creates still land in
+/// `public`. Stores never get this pool: theirs are plain, so a statement of sagabox's
+/// that did not name its schema would fail.
+async fn verification_pool(url: &str) -> PgPool {
+    let options = <sqlx::postgres::PgConnectOptions as std::str::FromStr>::from_str(url)
+        .expect("test database url")
+        .options([("search_path", "public,sagabox")]);
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .expect("connect test db")
+}
+
 /// A fresh PostgreSQL database, dropped on drop.
 #[derive(Debug)]
 pub struct Pg {
@@ -107,11 +122,12 @@ impl Pg {
             .expect("create test database");
         conn.close().await.ok();
         let url = with_database(&admin, &name);
-        let store = PostgresStore::connect(&url, 4)
+        let store = PostgresStore::connect(&url, 1)
             .await
             .expect("connect test db");
         store.migrate().await.expect("migrate");
-        let pool = store.pool().clone();
+        store.pool().close().await;
+        let pool = verification_pool(&url).await;
         Self { url, pool, name }
     }
 
@@ -128,7 +144,7 @@ impl Pg {
             .expect("create test database");
         conn.close().await.ok();
         let url = with_database(&admin, &name);
-        let pool = PgPool::connect(&url).await.expect("connect test db");
+        let pool = verification_pool(&url).await;
         Self { url, pool, name }
     }
 

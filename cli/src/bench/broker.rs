@@ -513,7 +513,7 @@ pub(crate) async fn run(args: BrokerBenchArgs) -> Result<BrokerBenchReport, BoxE
         .await?;
     let outcome = async {
         sqlx::raw_sql(SETUP).execute(&pool).await?;
-        let store = PostgresStore::new(pool.clone());
+        let store = PostgresStore::new(pool.clone()).with_schema(sagabox::Schema::new(&schema)?);
         InboxGuard::new(store.clone(), InboxConfig::default())?
             .migrate()
             .await?;

@@ -46,6 +46,9 @@ pub struct DemoConfig {
     pub clock_speed: f64,
     /// Where the run's clock starts. Defaults to `None`: now.
     pub clock_start: Option<DateTime<Utc>>,
+    /// The PostgreSQL schema of sagabox's tables (SQLite has none). Defaults to
+    /// `sagabox`.
+    pub schema: sagabox::Schema,
 }
 
 /// The demo over a broker: RabbitMQ or NATS JetStream.
@@ -101,6 +104,7 @@ impl Default for DemoConfig {
             transport: None,
             clock_speed: 1.0,
             clock_start: None,
+            schema: sagabox::Schema::default(),
         }
     }
 }

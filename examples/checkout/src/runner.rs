@@ -60,7 +60,7 @@ impl<M: Maintenance> Maintenance for TalliedMaintenance<M> {
 const RESET: &str = "
 DELETE FROM demo_orders; DELETE FROM payment_charges; DELETE FROM inventory;
 DELETE FROM inventory_moves; DELETE FROM emails_sent; DELETE FROM demo_run;
-DELETE FROM saga_instances WHERE saga_name = 'checkout';
+DELETE FROM {schema}.sagabox_saga_instances WHERE saga_name = 'checkout';
 ";
 
 /// How long a run that failed waits for the death of an actor to be reported, to name
@@ -136,7 +136,7 @@ macro_rules! backend_run {
                 // One transaction: a run killed while setting up is either on record,
                 // stocked, or not started at all.
                 let mut tx = pool.begin().await?;
-                sqlx::raw_sql(RESET).execute(&mut *tx).await?;
+                sqlx::raw_sql(sqlx::AssertSqlSafe(store.schema().sql(RESET))).execute(&mut *tx).await?;
                 sqlx::query("INSERT INTO demo_run (orders) VALUES ($1)")
                     .bind(i64::try_from(config.orders).unwrap_or(i64::MAX))
                     .execute(&mut *tx)
@@ -236,7 +236,7 @@ macro_rules! backend_run {
                     .bind(data["amount_cents"].as_i64())
                     .execute(&mut *tx)
                     .await?;
-                <$store as SagaStore>::insert(&mut tx, &saga).await?;
+                guard.store().insert(&mut tx, &saga).await?;
                 tx.commit().await?;
                 let (orchestrator, progress) = (orchestrator.clone(), progress.clone());
                 running.spawn(async move {
@@ -287,7 +287,7 @@ macro_rules! backend_run {
 
             let mut figures = std::collections::HashMap::new();
             for (name, sql) in SUMMARY_SQL {
-                let value: i64 = sqlx::query_scalar(sql).fetch_one(&pool).await?;
+                let value: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(guard.store().schema().sql(sql))).fetch_one(&pool).await?;
                 figures.insert(name, value);
             }
             let figure = |name: &str| figures.get(name).copied().unwrap_or_default();
@@ -341,7 +341,7 @@ backend_run!(
 ///
 /// Without `resume` it first resets the demo's own tables (`demo_orders`,
 /// `payment_charges`, `inventory`, `inventory_moves`, `emails_sent`, `demo_run` and the
-/// `checkout` rows of `saga_instances`), records the run's size and stocks the
+/// `checkout` rows of `sagabox_saga_instances`), records the run's size and stocks the
 /// inventory. With `resume` it finishes the unfinished sagas of the run on record and
 /// places the orders it had not placed yet.
 pub async fn run(url: &str, config: &DemoConfig) -> Result<DemoSummary, DemoError> {
@@ -355,7 +355,9 @@ pub async fn run(url: &str, config: &DemoConfig) -> Result<DemoSummary, DemoErro
     let connections = u32::try_from(config.concurrency.clamp(4, 64)).unwrap_or(16);
     match Backend::of(url)? {
         Backend::Postgres => {
-            let store = sagabox::PostgresStore::connect(url, connections).await?;
+            let store = sagabox::PostgresStore::connect(url, connections)
+                .await?
+                .with_schema(config.schema.clone());
             run_postgres(url, store, config).await
         }
         Backend::Sqlite => {

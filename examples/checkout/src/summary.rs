@@ -152,26 +152,27 @@ impl fmt::Display for DemoSummary {
     }
 }
 
-/// The summary's figures that are read from the tables, by name.
+/// The summary's figures that are read from the tables, by name; `{schema}` is the
+/// schema of sagabox's tables ([`sagabox::Schema::sql`]).
 pub(crate) const SUMMARY_SQL: [(&str, &str); 9] = [
     (
         "unbalanced_refunds",
-        "SELECT COUNT(*) FROM demo_orders o JOIN saga_instances s ON s.id = o.saga_id \
+        "SELECT COUNT(*) FROM demo_orders o JOIN {schema}.sagabox_saga_instances s ON s.id = o.saga_id \
         WHERE s.status = 'compensated' AND (SELECT COALESCE(SUM(CASE kind WHEN 'charge' THEN amount_cents ELSE -amount_cents END), 0) \
         FROM payment_charges c WHERE c.order_id = o.id) <> 0",
     ),
     ("orders", "SELECT COUNT(*) FROM demo_orders"),
     (
         "completed",
-        "SELECT COUNT(*) FROM saga_instances WHERE saga_name = 'checkout' AND status = 'completed'",
+        "SELECT COUNT(*) FROM {schema}.sagabox_saga_instances WHERE saga_name = 'checkout' AND status = 'completed'",
     ),
     (
         "compensated",
-        "SELECT COUNT(*) FROM saga_instances WHERE saga_name = 'checkout' AND status = 'compensated'",
+        "SELECT COUNT(*) FROM {schema}.sagabox_saga_instances WHERE saga_name = 'checkout' AND status = 'compensated'",
     ),
     (
         "unfinished",
-        "SELECT COUNT(*) FROM saga_instances WHERE saga_name = 'checkout' AND status IN ('running', 'compensating')",
+        "SELECT COUNT(*) FROM {schema}.sagabox_saga_instances WHERE saga_name = 'checkout' AND status IN ('running', 'compensating')",
     ),
     (
         "double_charges",
@@ -188,6 +189,6 @@ pub(crate) const SUMMARY_SQL: [(&str, &str); 9] = [
     (
         "stock_drift",
         "SELECT CAST(COALESCE(SUM(ABS(i.on_hand - (i.initial - COALESCE((SELECT SUM(o.quantity) FROM demo_orders o \
-        JOIN saga_instances s ON s.id = o.saga_id WHERE o.sku = i.sku AND s.status = 'completed'), 0)))), 0) AS BIGINT) FROM inventory i",
+        JOIN {schema}.sagabox_saga_instances s ON s.id = o.saga_id WHERE o.sku = i.sku AND s.status = 'completed'), 0)))), 0) AS BIGINT) FROM inventory i",
     ),
 ];

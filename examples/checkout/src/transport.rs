@@ -267,6 +267,8 @@ pub struct ServeConfig {
     /// The database pool's size; `None`: one connection per step worker, 4 for the
     /// relay, the pruner and setup, and 16 for the orchestrator's drivers, at most 64.
     pub pool_size: Option<u32>,
+    /// The PostgreSQL schema of sagabox's tables (SQLite has none).
+    pub schema: sagabox::Schema,
 }
 
 /// Serves `config.roles` (and an orchestrator, if asked) on the database at `url` until
@@ -302,7 +304,9 @@ pub async fn serve(
     });
     match Backend::of(url)? {
         Backend::Postgres => {
-            let store = sagabox::PostgresStore::connect(url, connections).await?;
+            let store = sagabox::PostgresStore::connect(url, connections)
+                .await?
+                .with_schema(config.schema.clone());
             sqlx::raw_sql(crate::POSTGRES_TABLES)
                 .execute(store.pool())
                 .await?;

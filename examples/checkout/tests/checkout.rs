@@ -116,9 +116,7 @@ timeout = "5s"
             .unwrap();
         let saga = SagaInstance::new("s-1", "checkout", order, Utc::now());
         let mut conn = store.pool().acquire().await.unwrap();
-        <sagabox::PostgresStore as SagaStore>::insert(&mut conn, &saga)
-            .await
-            .unwrap();
+        store.insert(&mut conn, &saga).await.unwrap();
         drop(conn);
 
         ractor::call_t!(

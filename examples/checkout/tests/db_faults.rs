@@ -346,9 +346,7 @@ max_backoff = "500ms"
             .execute(&mut *tx)
             .await
             .unwrap();
-        <PostgresStore as SagaStore>::insert(&mut tx, &saga)
-            .await
-            .unwrap();
+        direct.insert(&mut tx, &saga).await.unwrap();
         tx.commit().await.unwrap();
         ids.push(saga.id);
     }
@@ -436,7 +434,7 @@ max_backoff = "500ms"
     let broken = common::invariants::violations(&fx.pool).await;
     assert!(broken.is_empty(), "{context}: {broken:?}");
     let finished = fx
-        .scalar("SELECT COUNT(*) FROM saga_instances WHERE status IN ('completed', 'compensated')")
+        .scalar("SELECT COUNT(*) FROM sagabox_saga_instances WHERE status IN ('completed', 'compensated')")
         .await;
     assert_eq!(finished, SAGAS as i64, "{context}");
     orchestrator.stop(None);

@@ -101,7 +101,7 @@ macro_rules! inspect_suite {
 
                 // Sagas by status, as SQL groups them, and the summary's totals.
                 let statuses: Vec<(String, i64)> =
-                    sqlx::query_as("SELECT status, COUNT(*) FROM saga_instances GROUP BY status")
+                    sqlx::query_as("SELECT status, COUNT(*) FROM sagabox_saga_instances GROUP BY status")
                         .fetch_all(&fx.pool)
                         .await
                         .unwrap();
@@ -208,7 +208,7 @@ macro_rules! inspect_suite {
                 let fx = <$fixture>::new().await;
                 let old = Utc::now() - TimeDelta::hours(3);
                 sqlx::query(
-                    "INSERT INTO saga_instances (id, saga_name, status, current_step, attempts, data, created_at, updated_at, last_error) \
+                    "INSERT INTO sagabox_saga_instances (id, saga_name, status, current_step, attempts, data, created_at, updated_at, last_error) \
                      VALUES ('s-old', 'checkout', 'compensating', 0, 12, '{}', $1, $1, 'undo payment: timeout'), \
                             ('s-new', 'checkout', 'running', 1, 1, '{}', $2, $2, NULL)",
                 )
@@ -239,7 +239,7 @@ macro_rules! inspect_suite {
                 assert!(!report.warnings.iter().any(|w| w.contains("parked")), "{:?}", report.warnings);
 
                 // Parked sagas are counted apart, warned about, and not the oldest unfinished.
-                sqlx::query("UPDATE saga_instances SET parked_reason = 'undo payment refused: closed' WHERE id = 's-old'")
+                sqlx::query("UPDATE sagabox_saga_instances SET parked_reason = 'undo payment refused: closed' WHERE id = 's-old'")
                     .execute(&fx.pool)
                     .await
                     .unwrap();
@@ -280,7 +280,7 @@ async fn a_database_without_the_migrations_is_refused_and_a_missing_file_not_cre
 
     // An empty database: no migrations.
     let fx = common::Lite::new().await;
-    sqlx::raw_sql("DROP TABLE _sqlx_migrations")
+    sqlx::raw_sql("DROP TABLE sagabox_migrations")
         .execute(&fx.pool)
         .await
         .unwrap();
@@ -299,7 +299,7 @@ async fn a_database_without_the_migrations_is_refused_and_a_missing_file_not_cre
 #[tokio::test]
 async fn postgres_without_the_latest_migration_is_refused() {
     let fx = common::Pg::new().await;
-    fx.exec("DELETE FROM _sqlx_migrations WHERE version = 20261203000001")
+    fx.exec("DELETE FROM sagabox_migrations WHERE version = 20261203000001")
         .await;
     let error = inspect(&fx.url, &InspectOptions::default())
         .await

@@ -1,7 +1,7 @@
 //! The trip saga through the in-process orchestrator, on SQLite and a real PostgreSQL
 //! (a fresh database per test): a car that fails for good, a happy path, and many trips
 //! under duplicated commands, lost replies and duplicated start requests. Every check
-//! reads the participants' own tables, `saga_instances` and the inbox by SQL.
+//! reads the participants' own tables, `sagabox_saga_instances` and the inbox by SQL.
 
 #![allow(clippy::unwrap_used)]
 
@@ -97,20 +97,20 @@ impl<B: Backend> Service<B> {
 const INVARIANTS: [(&str, &str); 10] = [
     (
         "saga neither completed nor compensated",
-        "SELECT COUNT(*) FROM saga_instances WHERE status NOT IN ('completed', 'compensated')",
+        "SELECT COUNT(*) FROM sagabox_saga_instances WHERE status NOT IN ('completed', 'compensated')",
     ),
     (
         "trip with more than one saga",
-        "SELECT COUNT(*) FROM (SELECT data->>'trip_id' FROM saga_instances GROUP BY data->>'trip_id' HAVING COUNT(*) > 1) d",
+        "SELECT COUNT(*) FROM (SELECT data->>'trip_id' FROM sagabox_saga_instances GROUP BY data->>'trip_id' HAVING COUNT(*) > 1) d",
     ),
     (
         "trip without a car compensated, or with one not completed",
-        "SELECT COUNT(*) FROM saga_instances WHERE \
+        "SELECT COUNT(*) FROM sagabox_saga_instances WHERE \
          (status = 'compensated') <> (data->>'trip_id' LIKE '%-nocar')",
     ),
     (
         "completed trip without exactly one flight, hotel, car and notification, all kept",
-        "SELECT COUNT(*) FROM saga_instances s WHERE s.status = 'completed' AND ( \
+        "SELECT COUNT(*) FROM sagabox_saga_instances s WHERE s.status = 'completed' AND ( \
          (SELECT COUNT(*) FROM flight_bookings b WHERE b.trip_id = s.data->>'trip_id') <> 1 OR \
          (SELECT COUNT(*) FROM hotel_bookings b WHERE b.trip_id = s.data->>'trip_id') <> 1 OR \
          (SELECT COUNT(*) FROM car_rentals b WHERE b.trip_id = s.data->>'trip_id') <> 1 OR \
@@ -129,7 +129,7 @@ const INVARIANTS: [(&str, &str); 10] = [
     ),
     (
         "compensated trip without exactly one flight and one hotel, each cancelled exactly once",
-        "SELECT COUNT(*) FROM saga_instances s WHERE s.status = 'compensated' AND ( \
+        "SELECT COUNT(*) FROM sagabox_saga_instances s WHERE s.status = 'compensated' AND ( \
          (SELECT COUNT(*) FROM flight_bookings b WHERE b.trip_id = s.data->>'trip_id') <> 1 OR \
          (SELECT COUNT(*) FROM hotel_bookings b WHERE b.trip_id = s.data->>'trip_id') <> 1 OR \
          (SELECT COUNT(*) FROM flight_bookings b WHERE b.trip_id = s.data->>'trip_id' AND b.status = 'cancelled' AND b.cancellations = 1) <> 1 OR \
@@ -137,7 +137,7 @@ const INVARIANTS: [(&str, &str); 10] = [
     ),
     (
         "compensated trip with a car rented or an itinerary sent",
-        "SELECT COUNT(*) FROM saga_instances s WHERE s.status = 'compensated' AND ( \
+        "SELECT COUNT(*) FROM sagabox_saga_instances s WHERE s.status = 'compensated' AND ( \
          (SELECT COUNT(*) FROM car_rentals b WHERE b.trip_id = s.data->>'trip_id') <> 0 OR \
          (SELECT COUNT(*) FROM notifications n WHERE n.trip_id = s.data->>'trip_id') <> 0)",
     ),
@@ -151,7 +151,7 @@ const INVARIANTS: [(&str, &str); 10] = [
         "booking of a trip with no saga",
         "SELECT COUNT(*) FROM (SELECT trip_id FROM flight_bookings UNION ALL SELECT trip_id FROM hotel_bookings \
          UNION ALL SELECT trip_id FROM car_rentals UNION ALL SELECT trip_id FROM notifications) b \
-         WHERE NOT EXISTS (SELECT 1 FROM saga_instances s WHERE s.data->>'trip_id' = b.trip_id)",
+         WHERE NOT EXISTS (SELECT 1 FROM sagabox_saga_instances s WHERE s.data->>'trip_id' = b.trip_id)",
     ),
     (
         "cancellation counted on a booking that is not cancelled",
@@ -315,14 +315,16 @@ async fn many_trips_under_faults<B: Backend>(seed: u64) {
     let sagas = TRIPS as i64;
     let compensated = (0..TRIPS).filter(|n| n % 4 == 3).count() as i64;
     assert_eq!(
-        fx.scalar("SELECT COUNT(*) FROM saga_instances".to_owned())
+        fx.scalar("SELECT COUNT(*) FROM sagabox_saga_instances".to_owned())
             .await,
         sagas,
         "one saga per trip"
     );
     assert_eq!(
-        fx.scalar("SELECT COUNT(*) FROM saga_instances WHERE status = 'compensated'".to_owned())
-            .await,
+        fx.scalar(
+            "SELECT COUNT(*) FROM sagabox_saga_instances WHERE status = 'compensated'".to_owned()
+        )
+        .await,
         compensated
     );
     check_invariants(&fx).await;
