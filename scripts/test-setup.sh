@@ -5,6 +5,9 @@
 #   - enables RabbitMQ's management plugin (the queues' real retention is read from it);
 #   - installs Debian's chromium and chromium-driver when missing (the console's browser
 #     test);
+#   - makes PostgreSQL ask one role, sagabox_password, for its password (scram-sha-256,
+#     a line at the top of pg_hba.conf), so the test of PGPASSWORD and ~/.pgpass is real;
+#     every other role keeps the machine's trust authentication;
 #   - makes the TLS test material and the servers' TLS listeners (scripts/tls-setup.sh).
 # Each step is skipped when it is done already, so running it again changes nothing.
 set -euo pipefail
@@ -46,6 +49,13 @@ if ! [ -x /usr/bin/chromium ] || ! [ -x /usr/bin/chromedriver ]; then
   say "installing chromium and chromium-driver (Debian) for the console's browser test"
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver ||
     { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }
+fi
+
+hba=$(psql -X -q -A -t -h 127.0.0.1 -U postgres -d postgres -c 'SHOW hba_file')
+if ! grep -q '^host all sagabox_password ' "$hba"; then
+  say "PostgreSQL: password authentication for the role sagabox_password (top of $hba), then a reload"
+  sed -i '1i host all sagabox_password 127.0.0.1/32 scram-sha-256' "$hba"
+  psql -X -q -h 127.0.0.1 -U postgres -d postgres -c 'SELECT pg_reload_conf()' >/dev/null
 fi
 
 bash scripts/tls-setup.sh

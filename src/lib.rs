@@ -133,6 +133,7 @@ pub mod clock;
 pub mod database;
 pub mod delivery;
 pub mod envelope;
+pub mod health;
 pub mod inbox;
 pub mod inspect;
 pub mod logging;

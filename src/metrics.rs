@@ -39,6 +39,8 @@ use crate::inbox::Outcome;
 use crate::saga::{Direction, SagaStatus};
 
 #[cfg(feature = "prometheus")]
+mod endpoint;
+#[cfg(feature = "prometheus")]
 mod prometheus;
 
 #[cfg(feature = "prometheus")]

@@ -140,6 +140,8 @@ where
     check(&config)?;
     let guard = InboxGuard::new(store.clone(), config.inbox.clone()).map_err(InboxError::from)?;
     guard.migrate().await?;
+    // The database's part in the process's readiness, for as long as this runs.
+    let _database = crate::health::global().store(&store);
     let supervision = Supervision::start()
         .await
         .map_err(|e| spawn_error("the supervisor", e))?;

@@ -531,6 +531,7 @@ impl<S: InboxStore + Clone> Participant<S> {
                 source,
             })?;
         let mut handle = ParticipantHandle::new(supervision, metrics_addr);
+        handle.watch_database(crate::health::global().store(&self.store));
         match Self::start_parts(
             &mut handle,
             guard,

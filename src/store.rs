@@ -298,6 +298,10 @@ pub trait InboxStore: Debug + Send + Sync + 'static {
     /// `_sqlx_migrations`) into that layout first.
     fn migrate(&self) -> impl Future<Output = Result<(), sqlx::migrate::MigrateError>> + Send;
 
+    /// Takes a connection and pings the server: the readiness check
+    /// ([`crate::health`]).
+    fn ping(&self) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
     /// The schema that holds sagabox's tables (PostgreSQL's `sagabox` unless set;
     /// SQLite's `main`). Every statement of the store names it.
     fn schema(&self) -> &crate::schema::Schema;

@@ -28,7 +28,9 @@ use sagabox_cli::telemetry::{LogFormat, init_tracing};
 fn start_metrics(addr: &str) -> Result<(), String> {
     {
         let listening = sagabox::metrics::install_prometheus(addr).map_err(|e| e.to_string())?;
-        say(format_args!("metrics at http://{listening}/metrics"));
+        say(format_args!(
+            "metrics at http://{listening}/metrics, health at /healthz and /readyz"
+        ));
         Ok(())
     }
 }
@@ -189,7 +191,8 @@ enum Command {
         /// Seed of the injected failures.
         #[arg(long, default_value_t = 1)]
         seed: u64,
-        /// Serve Prometheus metrics at HOST:PORT while serving (e.g. 127.0.0.1:9464).
+        /// Serve Prometheus metrics at HOST:PORT while serving (e.g. 127.0.0.1:9464), with
+        /// /healthz and /readyz beside them.
         #[arg(long, value_name = "HOST:PORT")]
         metrics_addr: Option<String>,
         /// Database connections this process holds at most (default: one per step worker,
@@ -234,7 +237,8 @@ enum Command {
         /// time prunes it every hour. 0 keeps it forever.
         #[arg(long, default_value_t = 90)]
         history_retention_days: u64,
-        /// Serve Prometheus metrics at HOST:PORT while running (e.g. 127.0.0.1:9464).
+        /// Serve Prometheus metrics at HOST:PORT while running (e.g. 127.0.0.1:9464), with
+        /// /healthz and /readyz beside them.
         #[arg(long, value_name = "HOST:PORT")]
         metrics_addr: Option<String>,
         /// Database connections this process holds at most: the sagas' drivers, the start

@@ -155,3 +155,78 @@ fn help_names_each_options_variable_and_hides_secret_values() {
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("1 to 1000"));
 }
+
+/// The role that `scripts/test-setup.sh` makes give a password (scram-sha-256 in
+/// `pg_hba.conf`); every other role here is trusted.
+const PASSWORD_ROLE: &str = "sagabox_password";
+
+#[tokio::test]
+async fn postgres_passwords_come_from_pgpassword_or_a_pgpass_file_never_the_url() {
+    let pg = Pg::unmigrated().await;
+    let password = uuid::Uuid::new_v4().simple().to_string();
+    pg.exec_owned(format!(
+        "DO $$ BEGIN CREATE ROLE {PASSWORD_ROLE}; EXCEPTION WHEN duplicate_object THEN NULL; END $$; \
+         ALTER ROLE {PASSWORD_ROLE} LOGIN PASSWORD '{password}'; \
+         GRANT ALL ON DATABASE {} TO {PASSWORD_ROLE}",
+        pg.name()
+    ))
+    .await;
+    let url = format!("postgres://{PASSWORD_ROLE}@127.0.0.1:5432/{}", pg.name());
+    let home = tempdir();
+    let migrate = || {
+        let mut command = bare("migrate");
+        command
+            .env("SAGABOX_DATABASE_URL", &url)
+            .env("HOME", &home)
+            .env_remove("PGPASSWORD")
+            .env_remove("PGPASSFILE");
+        command
+    };
+
+    // No password anywhere: refused by the server, which shows the check is real.
+    let output = migrate().output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success() && stderr.contains("password"),
+        "{PASSWORD_ROLE} logged in without a password: run scripts/test-setup.sh, which \
+         makes PostgreSQL ask it for one; {stderr}"
+    );
+
+    let output = migrate().env("PGPASSWORD", &password).output().unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+
+    let pgpass = Secret::new(&format!("127.0.0.1:5432:*:{PASSWORD_ROLE}:{password}"));
+    std::fs::set_permissions(
+        &pgpass.0,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    let output = migrate().env("PGPASSFILE", pgpass.path()).output().unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let owner: String = sqlx::query_scalar(
+        "SELECT nspowner::regrole::text FROM pg_namespace WHERE nspname = 'sagabox'",
+    )
+    .fetch_one(&pg.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        owner, PASSWORD_ROLE,
+        "migrated as the role, with its password"
+    );
+    let _ = std::fs::remove_dir_all(&home);
+}
+
+/// An empty directory for `HOME`, so no `~/.pgpass` of the machine's is read.
+fn tempdir() -> String {
+    let path = std::env::temp_dir().join(format!("sagabox-home-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&path).unwrap();
+    path.display().to_string()
+}

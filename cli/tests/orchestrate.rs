@@ -67,9 +67,12 @@ async fn orchestrate_drives_trips_whose_participants_run_elsewhere_and_a_repeate
 
     // The orchestrator: the built binary.
     let saga_file = concat!(env!("CARGO_MANIFEST_DIR"), "/../sagas/trip.toml");
+    let metrics = std::net::SocketAddr::from(([127, 0, 0, 1], common::scrape::free_port()));
     let orchestrator = std::process::Command::new(common::sagabox_bin())
         .args([
             "orchestrate",
+            "--metrics-addr",
+            &metrics.to_string(),
             "--saga",
             saga_file,
             "--transport",
@@ -99,6 +102,17 @@ async fn orchestrate_drives_trips_whose_participants_run_elsewhere_and_a_repeate
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // Ready: its database answers and its consumers consume.
+    let ready = common::scrape::readyz_becomes(metrics, 200, BOUND).await;
+    assert!(
+        ready.contains("ok database inbox database")
+            && ready.contains(&format!("ok consumer {starts} (RabbitMQ)")),
+        "{ready}"
+    );
+    assert_eq!(
+        common::scrape::get(metrics, "/healthz").await.unwrap().0,
+        200
+    );
     // Its history pass at start made the saga history's partitions of this month and the
     // two ahead (beside the default one).
     let deadline = Instant::now() + BOUND;
@@ -239,9 +253,12 @@ async fn serve_all_runs_checkout_sagas_from_start_messages_once_each() {
     let fx = common::Pg::new().await;
     let rabbit =
         common::rabbit::Rabbit::new(&["payment", "inventory", "email", "checkout.start"]).await;
+    let metrics = std::net::SocketAddr::from(([127, 0, 0, 1], common::scrape::free_port()));
     let serve = std::process::Command::new(common::sagabox_bin())
         .args([
             "serve",
+            "--metrics-addr",
+            &metrics.to_string(),
             "--role",
             "all",
             "--transport",
@@ -268,6 +285,17 @@ async fn serve_all_runs_checkout_sagas_from_start_messages_once_each() {
         );
         assert!(Instant::now() < deadline, "serve never consumed {starts}");
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let ready = common::scrape::readyz_becomes(metrics, 200, BOUND).await;
+    for consumer in [
+        starts.clone(),
+        rabbit.queue("payment"),
+        rabbit.queue("email"),
+    ] {
+        assert!(
+            ready.contains(&format!("ok consumer {consumer} (RabbitMQ)")),
+            "{consumer}: {ready}"
+        );
     }
     // serve created the tables before it consumed.
     fx.exec("INSERT INTO inventory (sku, initial, on_hand) VALUES ('sku-apple', 10, 10)")

@@ -152,7 +152,12 @@ impl Consumer {
         }
         let (stop, stopped) = watch::channel(false);
         let stats = Arc::new(ConsumerStats::default());
+        let queue = options
+            .private_queue
+            .clone()
+            .unwrap_or_else(|| config.queue(&options.consumer_type));
         let session = Session {
+            readiness: crate::health::global().consumer(format!("{queue} (RabbitMQ)")),
             config: Arc::new(config),
             options: Arc::new(options),
             handler: Arc::new(handler),
@@ -164,6 +169,8 @@ impl Consumer {
 }
 
 struct Session<H> {
+    /// Consuming while a subscription is open on a live connection.
+    readiness: crate::health::ConsumerReadiness,
     config: Arc<AmqpConfig>,
     options: Arc<ConsumerOptions>,
     handler: Arc<H>,
@@ -234,6 +241,7 @@ impl<H: DeliveryHandler> Session<H> {
             .await
             .map_err(AmqpError::broker("start consuming"))?;
         tracing::info!(%queue, prefetch = self.config.prefetch, "consuming");
+        self.readiness.set_consuming(true);
         // What every delivery's task needs, shared: one reference count per delivery.
         let work = Arc::new(Work {
             config: Arc::clone(&self.config),
@@ -274,6 +282,7 @@ impl<H: DeliveryHandler> Session<H> {
                 Some(_) = in_flight.join_next(), if !in_flight.is_empty() => {}
             }
         };
+        self.readiness.set_consuming(false);
         if ended.is_ok() {
             // Stopping: the deliveries in flight finish and are acked.
             while in_flight.join_next().await.is_some() {}

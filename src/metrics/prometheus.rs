@@ -1,7 +1,10 @@
 //! The Prometheus endpoint (feature `prometheus`): [`install_prometheus`] installs the
-//! global recorder with the catalogue's buckets and serves the text format over HTTP.
+//! global recorder with the catalogue's buckets and serves, over HTTP, the text format at
+//! `/metrics` beside the process's health at `/healthz` and `/readyz`
+//! ([`crate::health`]).
 
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::Duration;
 
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
 
@@ -22,8 +25,18 @@ pub enum MetricsError {
         /// What was wrong with it.
         reason: String,
     },
-    /// The exporter could not start: the port is taken, or a recorder is already
-    /// installed in this process (install once, at start-up).
+    /// The address cannot be listened on: the port is taken, or the host is not one
+    /// of this machine's.
+    #[error("cannot listen on {addr} for the metrics endpoint: {source}; choose a free port")]
+    Bind {
+        /// The address it tried to listen on.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The recorder could not be installed: one is already installed in this process
+    /// (install once, at start-up).
     #[error("cannot start the Prometheus endpoint on {addr}: {source}")]
     Install {
         /// The address it tried to listen on.
@@ -49,23 +62,47 @@ pub fn prometheus_builder() -> Result<PrometheusBuilder, BuildError> {
         .set_buckets_for_metric(Matcher::Full(OUTBOX_LAG_SECONDS.to_owned()), LONG_BUCKETS)
 }
 
-/// Starts serving Prometheus text at `http://ADDR/metrics` (any path answers) and
-/// installs the recorder every sagabox metric goes to, with the catalogue described, the
-/// metrics without labels registered at zero and `sagabox_build_info` set (see
-/// [`register_catalogue`]). Call it once per process, from
-/// within a Tokio runtime; `addr` is `HOST:PORT` (`0.0.0.0:9464` to listen on every
-/// interface). Returns the address it listens on.
+/// How often the recorder's histograms are compacted (the exporter's own listener does
+/// it as often).
+const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Starts serving, at `http://ADDR`, Prometheus text at `/metrics`, `/healthz` (200 while
+/// the process serves) and `/readyz` (200 when its database answers and every consumer
+/// is connected and consuming, 503 with the reason otherwise; see [`crate::health`]),
+/// and installs the recorder every sagabox metric goes to, with the catalogue described,
+/// the metrics without labels registered at zero and `sagabox_build_info` set (see
+/// [`register_catalogue`]). Call it once per process, from within a Tokio runtime;
+/// `addr` is `HOST:PORT` (`0.0.0.0:9464` to listen on every interface). Returns the
+/// address it listens on.
 pub fn install_prometheus(addr: &str) -> Result<SocketAddr, MetricsError> {
     let socket = resolve(addr)?;
-    prometheus_builder()
-        .and_then(|builder| builder.with_http_listener(socket).install())
+    // Bound here, before the recorder is installed: a port in use is said at once.
+    let listener = std::net::TcpListener::bind(socket)
+        .and_then(|listener| listener.set_nonblocking(true).map(|()| listener))
+        .and_then(tokio::net::TcpListener::from_std)
+        .map_err(|source| MetricsError::Bind {
+            addr: socket,
+            source,
+        })?;
+    let bound = listener.local_addr().unwrap_or(socket);
+    let handle = prometheus_builder()
+        .and_then(PrometheusBuilder::install_recorder)
         .map_err(|source| MetricsError::Install {
             addr: socket,
             source,
         })?;
     register_catalogue();
-    tracing::info!(%socket, metrics = CATALOGUE.len(), "prometheus endpoint listening");
-    Ok(socket)
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(UPKEEP_INTERVAL);
+        loop {
+            every.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    tokio::spawn(super::endpoint::serve(listener, handle));
+    tracing::info!(socket = %bound, metrics = CATALOGUE.len(), "metrics and health endpoint listening");
+    Ok(bound)
 }
 
 fn resolve(addr: &str) -> Result<SocketAddr, MetricsError> {

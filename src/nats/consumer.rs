@@ -149,6 +149,10 @@ impl Consumer {
         }
         let consumer =
             jetstream::durable_consumer(&stream, &config, &options.consumer_type).await?;
+        let readiness = crate::health::global().consumer(format!(
+            "{} (NATS JetStream)",
+            config.stream(&options.consumer_type)
+        ));
         let (stop, stopped) = watch::channel(false);
         let stats = Arc::new(ConsumerStats::default());
         let session = Session {
@@ -161,6 +165,7 @@ impl Consumer {
                 context,
             }),
             consumer,
+            readiness,
         };
         let task = tokio::spawn(session.run(stopped));
         Ok(ConsumerHandle { stop, task, stats })
@@ -180,6 +185,8 @@ struct Shared<H> {
 struct Session<H> {
     shared: Arc<Shared<H>>,
     consumer: PullConsumer,
+    /// Consuming while the pull subscription is open and the client connected.
+    readiness: crate::health::ConsumerReadiness,
 }
 
 impl<H: DeliveryHandler> Session<H> {
@@ -199,6 +206,7 @@ impl<H: DeliveryHandler> Session<H> {
             let mut messages = match subscribed {
                 Ok(messages) => messages,
                 Err(error) => {
+                    self.readiness.set_consuming(false);
                     failures = failures.saturating_add(1);
                     if self.pause(&error.to_string(), failures, &mut stopped).await {
                         break 'subscribe;
@@ -206,8 +214,16 @@ impl<H: DeliveryHandler> Session<H> {
                     continue 'subscribe;
                 }
             };
+            // The subscription outlives a lost connection (the client reconnects by
+            // itself), so readiness follows the client's state, looked at every second.
+            let mut health = tokio::time::interval(Duration::from_secs(1));
             loop {
                 tokio::select! {
+                    _ = health.tick() => {
+                        let connected = self.shared.client.connection_state()
+                            == async_nats::connection::State::Connected;
+                        self.readiness.set_consuming(connected);
+                    }
                     changed = stopped.changed() => {
                         if changed.is_err() || *stopped.borrow() {
                             break 'subscribe;
@@ -228,6 +244,7 @@ impl<H: DeliveryHandler> Session<H> {
                             );
                         }
                         None => {
+                            self.readiness.set_consuming(false);
                             failures = failures.saturating_add(1);
                             if self.pause("the pull subscription ended", failures, &mut stopped).await {
                                 break 'subscribe;

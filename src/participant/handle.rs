@@ -36,6 +36,8 @@ pub struct ParticipantHandle {
     relay: Option<ActorRef<RelayMessage>>,
     pruner: Option<Arc<Mutex<PrunerReport>>>,
     metrics_addr: Option<SocketAddr>,
+    /// The store's part in the process's readiness, while the participant runs.
+    database: Option<crate::health::DatabaseCheck>,
 }
 
 /// One step's consumer.
@@ -72,7 +74,12 @@ impl ParticipantHandle {
             relay: None,
             pruner: None,
             metrics_addr,
+            database: None,
         }
+    }
+
+    pub(super) fn watch_database(&mut self, check: crate::health::DatabaseCheck) {
+        self.database = Some(check);
     }
 
     pub(super) fn supervision(&self) -> &Supervision {

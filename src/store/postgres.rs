@@ -826,4 +826,9 @@ impl InboxStore for PostgresStore {
     fn schema(&self) -> &Schema {
         &self.schema
     }
+
+    async fn ping(&self) -> Result<(), sqlx::Error> {
+        let mut conn = self.pool.acquire().await?;
+        sqlx::Connection::ping(&mut *conn).await
+    }
 }

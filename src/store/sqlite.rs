@@ -412,6 +412,11 @@ impl InboxStore for SqliteStore {
         &self.schema
     }
 
+    async fn ping(&self) -> Result<(), sqlx::Error> {
+        let mut conn = self.pool.acquire().await?;
+        sqlx::Connection::ping(&mut *conn).await
+    }
+
     async fn migrate(&self) -> Result<(), MigrateError> {
         let mut conn = self.pool.acquire().await?;
         super::layout::migrate_sqlite(&mut conn, &MIGRATOR).await?;

@@ -160,6 +160,19 @@ impl Pg {
         sqlx::raw_sql(sql).execute(&self.pool).await.expect(sql);
     }
 
+    /// Runs statements built at run time.
+    pub async fn exec_owned(&self, sql: String) {
+        sqlx::raw_sql(AssertSqlSafe(sql.clone()))
+            .execute(&self.pool)
+            .await
+            .expect(&sql);
+    }
+
+    /// The database's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// Runs a query returning one integer.
     pub async fn scalar(&self, sql: &'static str) -> i64 {
         sqlx::query_scalar(sql)

@@ -29,6 +29,46 @@ pub async fn scrape(addr: SocketAddr) -> std::io::Result<String> {
     Ok(body.to_owned())
 }
 
+/// `GET path` on `addr`: the status code and the body.
+pub async fn get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut stream =
+        tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr)).await??;
+    stream
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await?;
+    let mut response = String::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_string(&mut response)).await??;
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("no status line in {head:?}"));
+    Ok((status, body.to_owned()))
+}
+
+/// Polls `GET /readyz` every 20 ms until it answers `want`, and returns the body then;
+/// panics after `within`, with the last answer.
+pub async fn readyz_becomes(addr: SocketAddr, want: u16, within: Duration) -> String {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let answer = get(addr, "/readyz").await;
+        if let Ok((status, body)) = &answer
+            && *status == want
+        {
+            return body.clone();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "/readyz did not answer {want} within {within:?}: {answer:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Whether the text has a series of metric `name` (with or without labels; for a
 /// histogram, its `_bucket`, `_sum` and `_count` series).
 pub fn has_metric(text: &str, name: &str) -> bool {
