@@ -62,6 +62,8 @@
 //! - [`inbox`]: [`InboxGuard`] — claim, handler, record, commit; [`Outcome`], errors, config.
 //! - [`store`]: the SQL per database — [`PostgresStore`] (monthly partitions, global
 //!   uniqueness across them) and [`SqliteStore`] (monthly tables, the embedded default).
+//! - [`schema`]: [`Schema`] — where sagabox's tables live: a PostgreSQL schema of their
+//!   own (`sagabox` unless set), named by every statement, apart from the application's.
 //! - [`step`]: a saga step as a [`StepHandler`](step::StepHandler) in a
 //!   [`StepPool`](step::StepPool) of competing workers behind the guard.
 //! - [`saga`]: saga definitions as data (TOML) and their versions, saga instances, their
@@ -88,7 +90,9 @@
 //! - [`inspect`]: what `sagabox inspect` reports — partitions, the inbox's reach against
 //!   the TTL and the broker, duplicate deliveries absorbed, sagas, the outbox — read by SQL.
 //! - [`metrics`]: the metric catalogue ([`CATALOGUE`](metrics::CATALOGUE)) and the
-//!   Prometheus endpoint ([`install_prometheus`](metrics::install_prometheus)).
+//!   Prometheus endpoint ([`install_prometheus`](metrics::install_prometheus)), which also
+//!   answers `/healthz` and `/readyz`.
+//! - [`health`]: the process's readiness — its database answers, its consumers consume.
 //! - [`testing`]: [`FaultyDispatch`](testing::FaultyDispatch) — duplicated commands and
 //!   lost replies on demand, to test a saga's participants against them.
 //! - [`logging`]: how the library's log events carry lists ([`json_list`](logging::json_list)).
@@ -119,7 +123,7 @@
 //! | `sqlite` | yes | [`SqliteStore`]: the embedded inbox, one table per month (bundled SQLite) |
 //! | `rabbitmq` | yes | the RabbitMQ transport (lapin): consumer, outbox relay, broker dispatch |
 //! | `nats` | no | the NATS JetStream transport (async-nats): pull consumers, outbox relay, dispatch; the `sagabox` command turns it on |
-//! | `prometheus` | yes | [`metrics::install_prometheus`] and `--metrics-addr`: Prometheus text over HTTP |
+//! | `prometheus` | yes | [`metrics::install_prometheus`] and `--metrics-addr`: Prometheus text over HTTP, with `/healthz` and `/readyz` |
 //! | `otel` | no | [`trace`] reads and writes span contexts through `tracing-opentelemetry` (the OpenTelemetry API only; the application installs the SDK and the exporter) |
 //!
 //! Without `prometheus` the metrics still go through the `metrics` facade to whatever
