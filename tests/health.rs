@@ -1,11 +1,17 @@
-//! `/healthz` and `/readyz` beside `/metrics`, on a participant consuming from the real
-//! RabbitMQ with its inbox on the real PostgreSQL: ready once its consumers consume and
-//! its database answers, unready while the broker has closed its connections, ready
-//! again once the consumer has reconnected, by itself.
+//! `/healthz` and `/readyz` beside `/metrics`, on participants with their inbox on the
+//! real PostgreSQL: ready once the consumers consume and the database answers; unready
+//! while RabbitMQ has closed the consumers' connections, or while a NATS server of the
+//! test's own is stopped; ready again once the consumers have reconnected, by themselves.
+//!
+//! One test: the recorder, the endpoint and the readiness registry are the process's.
 
 #![allow(clippy::unwrap_used)]
 
 mod common;
+#[cfg(feature = "nats")]
+#[path = "common/jetstream.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod jetstream;
 
 use std::time::Duration;
 
@@ -26,7 +32,7 @@ impl StepHandler<Postgres> for Noop {
 }
 
 #[tokio::test]
-async fn readyz_follows_the_consumers_connection_to_the_broker() {
+async fn readyz_follows_the_consumers_connections_to_the_brokers() {
     let (pg, rabbit) = (Pg::new().await, Rabbit::new(&["ledger", "notify"]).await);
     let mut config = rabbit.config.clone();
     // A reconnect that waits long enough for the unready state to be seen.
@@ -80,4 +86,32 @@ async fn readyz_follows_the_consumers_connection_to_the_broker() {
         body.contains("no consumer or database registered"),
         "{body}"
     );
+
+    #[cfg(feature = "nats")]
+    over_nats(&pg, addr).await;
+}
+
+/// The same over NATS JetStream, on the endpoint the first participant started: the
+/// client reconnects by itself, and the consumer is unready while it cannot.
+#[cfg(feature = "nats")]
+async fn over_nats(pg: &Pg, addr: std::net::SocketAddr) {
+    let mut server = jetstream::OwnServer::start().await;
+    let js = jetstream::Js::on(&server.url(), &["ledger"]).await;
+    let participant = Participant::new(pg.store(4).await, js.config.clone())
+        .step("ledger", Noop)
+        .start()
+        .await
+        .unwrap();
+    let stream = js.config.stream(&jetstream::Js::consumer_type("ledger"));
+    let ready = readyz_becomes(addr, 200, Duration::from_secs(10)).await;
+    assert!(
+        ready.contains(&format!("ok consumer {stream} (NATS JetStream)")),
+        "{ready}"
+    );
+    server.stop();
+    let unready = readyz_becomes(addr, 503, Duration::from_secs(5)).await;
+    assert!(unready.contains("not ready consumer"), "{unready}");
+    server.restart().await;
+    readyz_becomes(addr, 200, Duration::from_secs(20)).await;
+    participant.stop().await.unwrap();
 }
