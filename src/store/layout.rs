@@ -18,8 +18,10 @@
 //! migrations table does not exist yet, so it runs at most once, and an installation
 //! that is already moved (or new) is never touched.
 
+use sqlx::AssertSqlSafe;
+#[cfg(feature = "postgres")]
+use sqlx::Connection;
 use sqlx::migrate::{Migrate, MigrateError, Migrator};
-use sqlx::{AssertSqlSafe, Connection};
 
 use crate::schema::{MIGRATIONS_TABLE, Schema};
 
