@@ -69,6 +69,7 @@ pub trait OutboxWriter {
 }
 
 /// Reading and settling the outbox, for the relay.
+///
 /// Every method works on the outbox in `schema` (the store's
 /// [`schema`](crate::store::InboxStore::schema)).
 pub trait OutboxReader {
@@ -148,7 +149,7 @@ where
 trait RowsOf {
     fn rows(
         &mut self,
-        sql: &str,
+        sql: String,
         limit: i64,
     ) -> impl Future<Output = Result<Vec<OutboxRow>, sqlx::Error>> + Send;
 }
@@ -260,7 +261,7 @@ macro_rules! outbox_impls {
                 schema: &Schema,
                 limit: i64,
             ) -> Result<Vec<OutboxRow>, sqlx::Error> {
-                self.rows(&schema.sql(PENDING), limit).await
+                self.rows(schema.sql(PENDING), limit).await
             }
 
             async fn claim(
@@ -306,8 +307,12 @@ macro_rules! outbox_impls {
         }
 
         impl RowsOf for $conn {
-            async fn rows(&mut self, sql: &str, limit: i64) -> Result<Vec<OutboxRow>, sqlx::Error> {
-                let rows = sqlx::query(AssertSqlSafe(sql.to_owned()))
+            async fn rows(
+                &mut self,
+                sql: String,
+                limit: i64,
+            ) -> Result<Vec<OutboxRow>, sqlx::Error> {
+                let rows = sqlx::query(AssertSqlSafe(sql))
                     .bind(limit)
                     .fetch_all(&mut *self)
                     .await?;

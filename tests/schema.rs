@@ -366,6 +366,11 @@ async fn a_first_release_postgres_installation_is_moved_in_place_with_every_row(
         .execute(&pg.pool)
         .await
         .unwrap();
+    // A table of the team's whose name merely starts like one of sagabox's.
+    sqlx::raw_sql("CREATE TABLE public.sagabox_outbox_archive (id text PRIMARY KEY)")
+        .execute(&pg.pool)
+        .await
+        .unwrap();
     let store = PostgresStore::connect(&pg.url, 4).await.unwrap();
     let refused = sagabox::database::open_migrated(&pg.url, &Schema::default(), 2)
         .await
@@ -380,13 +385,18 @@ async fn a_first_release_postgres_installation_is_moved_in_place_with_every_row(
     a.unwrap();
     b.unwrap();
 
-    // Nothing of sagabox's is left beside the application's; the team's versions stay.
+    // Nothing of sagabox's is left beside the application's; the team's table and
+    // versions stay.
     let public = relations(&pg.pool, "public").await;
-    assert!(
-        public
-            .iter()
-            .all(|relation| !relation.starts_with("sagabox_")
-                && !relation.starts_with("saga_instances")),
+    let sagabox_like: Vec<&String> = public
+        .iter()
+        .filter(|relation| {
+            relation.starts_with("sagabox_") || relation.starts_with("saga_instances")
+        })
+        .collect();
+    assert_eq!(
+        sagabox_like,
+        ["sagabox_outbox_archive:r", "sagabox_outbox_archive_pkey:i"],
         "{public:?}"
     );
     let left: Vec<i64> = sqlx::query_scalar("SELECT version FROM public._sqlx_migrations")
@@ -443,6 +453,47 @@ async fn a_first_release_postgres_installation_is_moved_in_place_with_every_row(
         sagabox::database::open_migrated(&pg.url, &Schema::default(), 2)
             .await
             .is_ok()
+    );
+}
+
+#[tokio::test]
+async fn a_first_release_installation_given_its_own_schema_stays_there_renamed() {
+    let pg = common::Pg::unmigrated().await;
+    first_release_postgres(&pg.pool).await;
+    sqlx::raw_sql(FIRST_RELEASE_ROWS)
+        .execute(&pg.pool)
+        .await
+        .unwrap();
+    let public = Schema::new("public").unwrap();
+    migrate(&pg.url, &public, InboxConfig::default())
+        .await
+        .unwrap();
+    let store = PostgresStore::connect(&pg.url, 2)
+        .await
+        .unwrap()
+        .with_schema(public.clone());
+    assert_eq!(
+        store.load("s-old").await.unwrap().unwrap().data,
+        json!({"order": 7})
+    );
+    let relations = relations(&pg.pool, "public").await;
+    assert!(
+        relations.contains("sagabox_migrations:r") && !relations.contains("_sqlx_migrations:r"),
+        "{relations:?}"
+    );
+    assert!(
+        sagabox::database::open_migrated(&pg.url, &public, 2)
+            .await
+            .is_ok()
+    );
+    // Laid out as a new installation in a schema of that name would be.
+    let fresh = common::Pg::unmigrated().await;
+    migrate(&fresh.url, &public, InboxConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        layout(&pg.pool, "public").await,
+        layout(&fresh.pool, "public").await
     );
 }
 

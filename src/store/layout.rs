@@ -42,11 +42,7 @@ const UPGRADE_LOCK: (i32, i32) = (1_398_892_387, 0);
 
 /// `migrations` recording their versions in `table` (and creating `schema` first, on
 /// PostgreSQL).
-pub(crate) fn migrator(
-    migrations: &'static Migrator,
-    table: String,
-    schema: Option<&Schema>,
-) -> Migrator {
+fn migrator(migrations: &'static Migrator, table: String, schema: Option<&Schema>) -> Migrator {
     Migrator {
         migrations: migrations.migrations.clone(),
         table_name: table.into(),
@@ -58,8 +54,7 @@ pub(crate) fn migrator(
     }
 }
 
-/// The versions of `migrations` found in `rows` (version, checksum) with the checksum
-/// each has now.
+/// Each of `versions` that `migrations` has, with the checksum its migration has now.
 fn current_checksums(migrations: &Migrator, versions: &[i64]) -> Vec<(i64, Vec<u8>)> {
     versions
         .iter()
@@ -88,8 +83,8 @@ pub(crate) async fn postgres(
         .bind(UPGRADE_LOCK.1)
         .execute(&mut *tx)
         .await?;
-    let (old_schema, legacy, moved): (String, bool, bool) = sqlx::query_as(
-        "SELECT current_schema()::text, \
+    let (old_schema, old, legacy, moved): (String, String, bool, bool) = sqlx::query_as(
+        "SELECT current_schema()::text, quote_ident(current_schema()), \
                 to_regclass(quote_ident(current_schema()) || '.' || $1) IS NOT NULL \
                   AND to_regclass(quote_ident(current_schema()) || '.sagabox_inbox') IS NOT NULL, \
                 to_regclass($2) IS NOT NULL",
@@ -102,7 +97,6 @@ pub(crate) async fn postgres(
         tx.commit().await?;
         return Ok(false);
     }
-    let old = format!("\"{old_schema}\"");
     let ours: Vec<i64> = migrations
         .iter()
         .map(|migration| migration.version)
@@ -126,25 +120,28 @@ pub(crate) async fn postgres(
     .execute(&mut *tx)
     .await?;
     // The tables and every partition of the partitioned ones (`SET SCHEMA` moves a table
-    // with its indexes, constraints and owned sequences, but not its partitions).
+    // with its indexes, constraints and owned sequences, but not its partitions), by the
+    // names the first release gave them: nothing else of the schema's.
     let tables: Vec<String> = sqlx::query_scalar(
         "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
           WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') \
-            AND (c.relname = $2 OR c.relname ~ '^sagabox_(inbox|outbox|saga_definitions|saga_events)')",
+            AND (c.relname = $2 OR c.relname ~ '^sagabox_(inbox(_pruned|_[0-9]{4}_[0-9]{2})?\
+|outbox|saga_definitions|saga_events(_default|_[0-9]{4}_[0-9]{2})?)$')",
     )
     .bind(&old_schema)
     .bind(LEGACY_SAGA_TABLE)
     .fetch_all(&mut *tx)
     .await?;
     // A schema set to where the first release's tables already are keeps them there.
-    let stays = old_schema == schema.name();
-    for table in tables.iter().filter(|_| !stays) {
-        sqlx::query(AssertSqlSafe(format!(
-            "ALTER TABLE {old}.{table} SET SCHEMA {}",
-            schema.quoted()
-        )))
-        .execute(&mut *tx)
-        .await?;
+    if old_schema != schema.name() {
+        for table in &tables {
+            sqlx::query(AssertSqlSafe(format!(
+                "ALTER TABLE {old}.{table} SET SCHEMA {}",
+                schema.quoted()
+            )))
+            .execute(&mut *tx)
+            .await?;
+        }
     }
     if tables.iter().any(|table| table == LEGACY_SAGA_TABLE) {
         let saga_table = schema.table(LEGACY_SAGA_TABLE);
@@ -230,7 +227,9 @@ pub(crate) async fn migrate_postgres(
     schema: &Schema,
     migrations: &'static Migrator,
 ) -> Result<(), MigrateError> {
-    postgres(conn, schema, migrations).await?;
+    if postgres(conn, schema, migrations).await? {
+        tracing::info!(%schema, "moved the first release's tables into sagabox's schema");
+    }
     sqlx::query(AssertSqlSafe(format!(
         "SET search_path TO {}",
         schema.quoted()
@@ -345,7 +344,9 @@ pub(crate) async fn migrate_sqlite(
     conn: &mut sqlx::SqliteConnection,
     migrations: &'static Migrator,
 ) -> Result<(), MigrateError> {
-    sqlite(conn, migrations).await?;
+    if sqlite(conn, migrations).await? {
+        tracing::info!("renamed the first release's tables to sagabox's prefixed names");
+    }
     migrator(migrations, MIGRATIONS_TABLE.to_owned(), None)
         .run_direct(None, conn, false)
         .await

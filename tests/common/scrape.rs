@@ -17,16 +17,9 @@ pub fn free_port() -> u16 {
 
 /// The body of `GET /metrics`, or the connection error (the endpoint is not up yet).
 pub async fn scrape(addr: SocketAddr) -> std::io::Result<String> {
-    let mut stream =
-        tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr)).await??;
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-        .await?;
-    let mut response = String::new();
-    tokio::time::timeout(Duration::from_secs(5), stream.read_to_string(&mut response)).await??;
-    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-    assert!(head.starts_with("HTTP/1.1 200"), "scrape answered {head}");
-    Ok(body.to_owned())
+    let (status, body) = get(addr, "/metrics").await?;
+    assert_eq!(status, 200, "scrape answered {status}: {body}");
+    Ok(body)
 }
 
 /// `GET path` on `addr`: the status code and the body.
