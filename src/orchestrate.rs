@@ -17,6 +17,10 @@
 //!   message's id — the same answer to every delivery of it.
 //! - Every `resume_interval`, each orchestrator resumes the unfinished sagas of its
 //!   definition: after a crash, a restart finishes what the last process left.
+//! - With a [`pruner`](OrchestrateConfig::pruner), the orchestrators' inbox is kept
+//!   by the same [`Pruner`] a participant runs: months created ahead, months older than
+//!   the inbox's TTL dropped. Without one, a process sharing the database must prune it
+//!   (a participant's pruner, or `sagabox prune`).
 
 use std::collections::BTreeSet;
 use std::future::Future;
@@ -30,6 +34,7 @@ use crate::delivery::Disposition;
 use crate::envelope::{ConsumerType, Envelope, KeyError};
 use crate::inbox::{InboxConfig, InboxError, InboxGuard};
 use crate::orchestrator::{Orchestrator, OrchestratorArguments, OrchestratorMessage};
+use crate::pruner::{Pruner, PrunerArguments, PrunerMessage, PrunerSettings};
 use crate::saga::versions::RegisterError;
 use crate::saga::{SagaDefinition, SagaStore, StartError, history_pass};
 use crate::store::InboxStore;
@@ -68,6 +73,10 @@ pub struct OrchestrateConfig {
     /// is checked against the inbox its [`AmqpConfig::retention_check`](crate::amqp::AmqpConfig::retention_check)
     /// names. [`InboxConfig::default`] suits most.
     pub inbox: InboxConfig,
+    /// Runs a [`Pruner`] over the orchestrators' inbox, by `inbox`'s TTL and
+    /// `partitions_ahead`; several processes take turns through the maintenance lock.
+    /// `None` leaves the inbox to another process sharing the database.
+    pub pruner: Option<PrunerSettings>,
 }
 
 /// Why [`orchestrate`] did not start or did not end cleanly.
@@ -121,7 +130,7 @@ pub fn start_queue(transport: &Transport, saga: &str) -> Result<String, KeyError
     Ok(transport.destination(&start_consumer(saga)?))
 }
 
-fn start_consumer(saga: &str) -> Result<ConsumerType, KeyError> {
+pub(crate) fn start_consumer(saga: &str) -> Result<ConsumerType, KeyError> {
     ConsumerType::new(format!("{saga}.start"))
 }
 
@@ -142,25 +151,38 @@ where
     guard.migrate().await?;
     // The database's part in the process's readiness, for as long as this runs.
     let _database = crate::health::global().store(&store);
-    let supervision = Supervision::start()
-        .await
-        .map_err(|e| spawn_error("the supervisor", e))?;
     let orchestrator =
         ConsumerType::new(ORCHESTRATOR_CONSUMER).map_err(|source| OrchestrateError::SagaName {
             name: ORCHESTRATOR_CONSUMER.into(),
             source,
         })?;
     let inbox = guard.config().clone();
-    let dispatch = Arc::new(Dispatcher::connect(&config.transport, guard, orchestrator).await?);
+    // The broker first: a broker out of reach then fails the start before any actor
+    // exists that would have to be stopped.
+    let dispatch =
+        Arc::new(Dispatcher::connect(&config.transport, guard.clone(), orchestrator).await?);
+    let supervision = match Supervision::start().await {
+        Ok(supervision) => supervision,
+        Err(error) => {
+            dispatch.stop().await;
+            return Err(spawn_error("the supervisor", error));
+        }
+    };
     let mut running = Running::default();
-    let started = start_all(
-        &store,
-        &config,
-        &inbox,
-        &dispatch,
-        &supervision,
-        &mut running,
-    )
+    let started = async {
+        if let Some(settings) = &config.pruner {
+            running.pruner = Some(spawn_pruner(&supervision, guard, settings).await?);
+        }
+        start_all(
+            &store,
+            &config,
+            &inbox,
+            &dispatch,
+            &supervision,
+            &mut running,
+        )
+        .await
+    }
     .await;
     let outcome = match started {
         Ok(()) => {
@@ -186,6 +208,9 @@ where
     }
     for actor in &running.actors {
         actor.stop(None);
+    }
+    if let Some(pruner) = &running.pruner {
+        pruner.stop(None);
     }
     dispatch.stop().await;
     supervision.stop().await;
@@ -220,6 +245,7 @@ fn check(config: &OrchestrateConfig) -> Result<(), OrchestrateError> {
 struct Running {
     actors: Vec<ActorRef<OrchestratorMessage>>,
     consumers: Vec<ConsumerHandle>,
+    pruner: Option<ActorRef<PrunerMessage>>,
 }
 
 async fn start_all<S>(
@@ -272,6 +298,23 @@ where
         running.consumers.push(consumer);
     }
     Ok(())
+}
+
+/// Starts the pruner of the orchestrators' inbox under `supervision`.
+async fn spawn_pruner<S: InboxStore>(
+    supervision: &Supervision,
+    guard: InboxGuard<S>,
+    settings: &PrunerSettings,
+) -> Result<ActorRef<PrunerMessage>, OrchestrateError> {
+    let arguments = PrunerArguments {
+        maintenance: guard,
+        interval: settings.interval,
+    };
+    let (pruner, _) = supervision
+        .spawn(crate::participant::PRUNER, Pruner::new(), arguments)
+        .await
+        .map_err(|e| spawn_error(crate::participant::PRUNER, e))?;
+    Ok(pruner)
 }
 
 /// Hands a start message to its orchestrator and says how to settle it.
@@ -380,6 +423,7 @@ timeout = "5s"
         OrchestrateConfig {
             history_retention: None,
             inbox: InboxConfig::default(),
+            pruner: None,
             definitions,
             transport: Transport::from_url("amqp://guest:guest@127.0.0.1:5672/%2f", "sagabox")
                 .unwrap(),

@@ -75,6 +75,8 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use ractor::{Actor, ActorRef, SpawnErr};
 
+/// Kept here too, where the participant's builder takes it.
+pub use crate::pruner::PrunerSettings;
 pub use error::ParticipantError;
 pub use handle::ParticipantHandle;
 pub use report::{ParticipantReport, PrunerReport, StepReport};
@@ -138,26 +140,6 @@ impl StepOptions {
     pub fn batch(mut self, max: usize) -> Self {
         self.batch = Some(max);
         self
-    }
-}
-
-/// How the pruner runs. What it drops is decided by the inbox's TTL and how far ahead it
-/// creates partitions by its `partitions_ahead`, both in the [`InboxConfig`] given to
-/// [`Participant::inbox`] — the same TTL the claims expire by, checked at start against
-/// the broker's retention ([`InboxConfig::broker_retention`]).
-#[derive(Debug, Clone, PartialEq)]
-pub struct PrunerSettings {
-    /// Time between passes; the first runs at start. A month changes slowly: hourly is
-    /// plenty, and every instance of a service may run one (one pass at a time runs, the
-    /// others find the maintenance lock taken and skip). Defaults to one hour.
-    pub interval: Duration,
-}
-
-impl Default for PrunerSettings {
-    fn default() -> Self {
-        Self {
-            interval: Duration::from_secs(3600),
-        }
     }
 }
 

@@ -92,6 +92,27 @@ impl<S: InboxStore> Maintenance for InboxGuard<S> {
     }
 }
 
+/// How a service runs its [`Pruner`] (a participant's or an orchestrator's). What it
+/// drops is decided by the inbox's TTL and how far ahead it creates partitions by its
+/// `partitions_ahead`, both in the service's [`InboxConfig`](crate::InboxConfig) — the
+/// same TTL the claims expire by, checked at start against the broker's retention
+/// ([`InboxConfig::broker_retention`](crate::InboxConfig::broker_retention)).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrunerSettings {
+    /// Time between passes; the first runs at start. A month changes slowly: hourly is
+    /// plenty, and every instance of a service may run one (one pass at a time runs, the
+    /// others find the maintenance lock taken and skip). Defaults to one hour.
+    pub interval: Duration,
+}
+
+impl Default for PrunerSettings {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(3600),
+        }
+    }
+}
+
 /// Messages the [`Pruner`] handles.
 #[derive(Debug)]
 pub enum PrunerMessage {

@@ -1020,11 +1020,12 @@ async fn a_broker_that_never_answers_is_a_connect_timeout_not_a_hang() {
 /// A consumer that always fails retryably, on `config`'s `payment` queue.
 async fn always_retrying(
     config: sagabox::amqp::AmqpConfig,
+    consumer_type: &str,
     calls: Arc<AtomicU32>,
 ) -> ConsumerHandle {
     Consumer::spawn(
         config,
-        ConsumerOptions::new(ConsumerType::new("payment").unwrap(), ["charge"]),
+        ConsumerOptions::new(ConsumerType::new(consumer_type).unwrap(), ["charge"]),
         move |envelope: Envelope| {
             let calls = Arc::clone(&calls);
             async move {
@@ -1042,10 +1043,14 @@ async fn always_retrying(
 }
 
 /// On a quorum queue a retry is a nack: the broker counts the deliveries and, at the
-/// queue's delivery limit, dead-letters the message itself; `dlq list` names the reason.
+/// queue's delivery limit, dead-letters the message itself; `dlq list` names the reason,
+/// and the consumer counts it in `sagabox_dead_letters_total` as it nacks the last time.
+/// (The metrics recorder is per process: this is the only test here that installs one,
+/// and its consumer type is its own.)
 #[tokio::test]
 async fn on_a_quorum_queue_the_broker_counts_retries_and_dead_letters_at_its_delivery_limit() {
-    let rabbit = Rabbit::new(&["payment"]).await;
+    let metrics = sagabox::metrics::install_prometheus("127.0.0.1:0").unwrap();
+    let rabbit = Rabbit::new(&["exhausting"]).await;
     let mut config = rabbit.config.clone();
     assert_eq!(
         config.queue_type,
@@ -1054,12 +1059,12 @@ async fn on_a_quorum_queue_the_broker_counts_retries_and_dead_letters_at_its_del
     );
     config.max_redeliveries = 3;
     let calls = Arc::new(AtomicU32::new(0));
-    let consumer = always_retrying(config.clone(), Arc::clone(&calls)).await;
+    let consumer = always_retrying(config.clone(), "exhausting", Arc::clone(&calls)).await;
     let stats = Arc::clone(consumer.stats());
 
     let (body, properties) = message("flaky-1", "charge", json!({"flaky": true}));
     rabbit
-        .publish_raw(&rabbit.queue("payment"), &body, properties)
+        .publish_raw(&rabbit.queue("exhausting"), &body, properties)
         .await;
     common::wait_for("the flaky message nacked once, then done", async || {
         stats.acked.load(SeqCst) == 1 && stats.requeued.load(SeqCst) == 1
@@ -1068,9 +1073,9 @@ async fn on_a_quorum_queue_the_broker_counts_retries_and_dead_letters_at_its_del
 
     let (body, properties) = message("poison-1", "charge", json!({"flaky": false}));
     rabbit
-        .publish_raw(&rabbit.queue("payment"), &body, properties)
+        .publish_raw(&rabbit.queue("exhausting"), &body, properties)
         .await;
-    let dead = rabbit.dead_queue("payment");
+    let dead = rabbit.dead_queue("exhausting");
     common::wait_for(
         "the poison message dead-lettered by the broker",
         async || rabbit.ready(&dead).await == 1,
@@ -1089,10 +1094,23 @@ async fn on_a_quorum_queue_the_broker_counts_retries_and_dead_letters_at_its_del
         "the broker dead-lettered it, not the consumer"
     );
     assert_eq!(
-        rabbit.ready(&rabbit.queue("payment")).await,
+        rabbit.ready(&rabbit.queue("exhausting")).await,
         0,
         "nothing left behind"
     );
+
+    let dead_letters = |text: &str| {
+        common::scrape::sum(
+            text,
+            sagabox::metrics::DEAD_LETTERS_TOTAL,
+            &[
+                "consumer_type=\"exhausting\"",
+                "reason=\"retries_exhausted\"",
+            ],
+        )
+    };
+    let text = common::scrape::scrape(metrics).await.unwrap();
+    assert_eq!(dead_letters(&text), 1.0, "{text}");
 
     let dlq = DeadLetterQueue::open(&config, &dead).await.unwrap();
     let list = dlq.list(None).await.unwrap();
@@ -1103,7 +1121,7 @@ async fn on_a_quorum_queue_the_broker_counts_retries_and_dead_letters_at_its_del
     assert_eq!(letter.reason.as_deref(), Some("retries_exhausted"));
     let detail = letter.detail.as_deref().unwrap_or_default();
     assert!(
-        detail.contains("delivery_limit") && detail.contains(&rabbit.queue("payment")),
+        detail.contains("delivery_limit") && detail.contains(&rabbit.queue("exhausting")),
         "{detail}"
     );
 }
@@ -1115,7 +1133,7 @@ async fn an_existing_queue_of_another_type_is_refused_with_the_fix() {
     let mut classic = rabbit.config.clone();
     classic.queue_type = QueueType::Classic;
     let calls = Arc::new(AtomicU32::new(0));
-    always_retrying(classic, Arc::clone(&calls))
+    always_retrying(classic, "payment", Arc::clone(&calls))
         .await
         .stop()
         .await;

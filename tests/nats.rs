@@ -482,6 +482,7 @@ timeout = "5s"
             resume_interval: Duration::from_secs(1),
             history_retention: None,
             inbox,
+            pruner: None,
         };
         let stop = tokio::time::sleep(Duration::from_secs(1));
         sagabox::orchestrate::orchestrate(pg.store(4).await, config, stop).await

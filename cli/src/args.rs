@@ -291,7 +291,8 @@ fn parse_rate(text: &str) -> Result<f64, ArgError> {
     Ok(value)
 }
 
-/// The inbox's retention flags of the commands that run the pruner (`serve`, `prune`).
+/// The inbox's retention flags of the commands that run the pruner (`serve`,
+/// `orchestrate`, `prune`).
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
 pub struct RetentionArgs {
     /// Days a message stays deduplicated; at least the broker's redelivery window. The

@@ -245,14 +245,14 @@ enum Command {
         /// consumers and setup share them.
         #[arg(long, default_value_t = 16, value_parser = args::pool_size)]
         db_pool_size: u32,
+        // The orchestrators' inbox (start messages and replies): its TTL, checked
+        // against what the broker keeps; its pruner runs a pass at start, then hourly
+        // (one instance at a time).
+        #[command(flatten)]
+        retention: args::RetentionArgs,
         // Queue type, TTL and where the queues' retention is read.
         #[command(flatten)]
         broker: args::BrokerArgs,
-        /// Start even when a start queue (RabbitMQ) or start stream (JetStream) keeps
-        /// messages longer than the inbox ttl (30 days), or without limit (logged as a
-        /// warning).
-        #[arg(long)]
-        force_short_ttl: bool,
     },
     /// Show the inbox's partitions and reach, duplicate deliveries, sagas by status and
     /// the outbox's backlog, counted from the tables, with warnings for what needs a person.
@@ -737,9 +737,12 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             history_retention_days,
             metrics_addr,
             db_pool_size,
+            retention,
             broker,
-            force_short_ttl,
         } => {
+            let inbox = retention
+                .config()
+                .unwrap_or_else(|error| usage_error("orchestrate", error));
             let mut definitions = Vec::with_capacity(sagas.len());
             for path in &sagas {
                 let definition =
@@ -755,14 +758,9 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                 .unwrap_or_else(|error| {
                     usage_error("orchestrate", format_args!("--transport: {error}"))
                 });
-            let mut transport = broker.apply(transport);
-            // One inbox for the orchestrators and for the check of what the broker keeps:
-            // over RabbitMQ the queues are checked against the config's, over JetStream
-            // the streams against the orchestrators' own.
-            let inbox = InboxConfig::default().with_ttl_below_retention_allowed(force_short_ttl);
-            if let sagabox::transport::Transport::Amqp(amqp) = &mut transport {
-                amqp.retention_check = Some(inbox.clone());
-            }
+            // Over RabbitMQ the start queues' measured retention is checked against the
+            // orchestrators' inbox; over JetStream the streams' max_age is.
+            let transport = broker.apply(transport).with_retention_of(&inbox);
             if let Err(error) = transport.validate() {
                 usage_error("orchestrate", format_args!("--transport: {error}"));
             }
@@ -776,6 +774,7 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
                 history_retention: (history_retention_days > 0)
                     .then(|| Duration::from_secs(history_retention_days.saturating_mul(86_400))),
                 inbox,
+                pruner: Some(sagabox::pruner::PrunerSettings::default()),
             };
             orchestrate::run(
                 &database_url,

@@ -690,6 +690,18 @@ fn usage_errors_exit_with_status_2() {
             "create at most 12 months ahead",
         ),
         (&["prune", "--ttl-days", "7"], "--force-short-ttl"),
+        (
+            &[
+                "orchestrate",
+                "--saga",
+                concat!(env!("CARGO_MANIFEST_DIR"), "/../sagas/trip.toml"),
+                "--transport",
+                amqp,
+                "--ttl-days",
+                "7",
+            ],
+            "--force-short-ttl",
+        ),
         (&["prune", "--ttl-days", "-1"], "invalid value '-1'"),
         (
             &["inspect", "--ttl-days", "7"],

@@ -83,6 +83,10 @@ async fn orchestrate_drives_trips_whose_participants_run_elsewhere_and_a_repeate
             &rabbit.config.queue_prefix,
             "--resume-interval-ms",
             "200",
+            "--ttl-days",
+            "45",
+            "--partitions-ahead",
+            "4",
         ])
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
@@ -113,6 +117,19 @@ async fn orchestrate_drives_trips_whose_participants_run_elsewhere_and_a_repeate
         common::scrape::get(metrics, "/healthz").await.unwrap().0,
         200
     );
+    // Its pruner's pass at start made the inbox's months up to the fourth ahead (the
+    // participants' migration made two).
+    let fourth_ahead = "SELECT COUNT(*) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = 'sagabox_inbox'::regclass AND c.relname = 'sagabox_inbox_' || \
+         to_char(date_trunc('month', now() AT TIME ZONE 'UTC') + interval '4 months', 'YYYY_MM')";
+    let deadline = Instant::now() + BOUND;
+    while fx.scalar(fourth_ahead).await < 1 {
+        assert!(
+            Instant::now() < deadline,
+            "orchestrate's pruner never created the fourth month ahead"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     // Its history pass at start made the saga history's partitions of this month and the
     // two ahead (beside the default one).
     let deadline = Instant::now() + BOUND;

@@ -10,7 +10,8 @@
 //! - A retryable failure is requeued, after a short backoff. On a quorum queue
 //!   ([`QueueType::Quorum`]) it is a `basic.nack` with requeue: the broker counts the
 //!   deliveries (`x-delivery-count`) and dead-letters the message itself at the queue's
-//!   `x-delivery-limit` (`sagabox dlq list` shows it as `retries_exhausted`). Classic
+//!   `x-delivery-limit` (`sagabox dlq list` shows it as `retries_exhausted`; the
+//!   consumer counts it in `sagabox_dead_letters_total` as it nacks the last time). Classic
 //!   queues count nothing, so there the message is published again to the back of its
 //!   queue with `x-sagabox-attempts` incremented and the original acked; after
 //!   [`AmqpConfig::max_redeliveries`] attempts it is dead-lettered (`retries_exhausted`).
@@ -460,7 +461,8 @@ impl<H: DeliveryHandler> Work<H> {
         let attempts = codec::count_header(&delivery.properties, DELIVERY_COUNT_HEADER)
             .unwrap_or(0)
             .saturating_add(1);
-        if attempts >= self.config.max_redeliveries {
+        let last = attempts >= self.config.max_redeliveries;
+        if last {
             tracing::warn!(
                 queue = %self.queue,
                 attempts,
@@ -479,6 +481,14 @@ impl<H: DeliveryHandler> Work<H> {
             .await
             .map_err(AmqpError::broker("nack"))?;
         self.stats.requeued.fetch_add(1, Relaxed);
+        if last {
+            // The broker dead-letters it without telling anyone: this nack is the only
+            // place that knows, so the dead-letter counter counts it here.
+            crate::metrics::dead_lettered(
+                self.options.consumer_type.as_str(),
+                DeadReason::RetriesExhausted,
+            );
+        }
         Ok(())
     }
 

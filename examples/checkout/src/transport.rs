@@ -392,7 +392,11 @@ where
             transport: config.transport.clone(),
             resume_interval: config.resume_interval,
             history_retention: Some(sagabox::saga::DEFAULT_HISTORY_RETENTION),
-            inbox: sagabox::InboxConfig::default(),
+            inbox: config.inbox.clone(),
+            // The participants' pruner keeps the same inbox when they run here.
+            pruner: config.roles.is_empty().then_some(PrunerSettings {
+                interval: config.prune_interval,
+            }),
         };
         orchestrate(store.clone(), orchestrate_config, stopped(stop_rx)).await
     };
