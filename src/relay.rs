@@ -15,7 +15,6 @@
 //! later tick with exponential backoff. Sent rows older than
 //! [`RelayConfig::keep_sent`] are deleted on a timer.
 
-use std::collections::HashSet;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
@@ -23,13 +22,9 @@ use chrono::Utc;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use sqlx::Database;
 
-#[cfg(feature = "rabbitmq")]
-use crate::amqp::{self, Publisher, Routing, codec};
-#[cfg(feature = "nats")]
-use crate::nats;
 use crate::outbox::{OutboxReader, OutboxRow};
 use crate::schema::Schema;
-use crate::transport::{Transport, TransportError};
+use crate::transport::{Sender, Sent, Transport, TransportError};
 
 /// How often and how much the relay publishes.
 #[derive(Debug, Clone)]
@@ -174,157 +169,10 @@ pub struct RelayState<P> {
     source: P,
     transport: Transport,
     config: RelayConfig,
-    link: Option<Link>,
+    sender: Option<Sender>,
     failures: u32,
     retry_at: Instant,
     pruned_at: Instant,
-}
-
-/// The relay's connection, and the destinations it has declared on it.
-#[derive(Debug)]
-enum Link {
-    #[cfg(feature = "rabbitmq")]
-    Amqp {
-        connection: lapin::Connection,
-        publisher: Publisher,
-        declared: HashSet<String>,
-    },
-    #[cfg(feature = "nats")]
-    Nats {
-        client: async_nats::Client,
-        context: async_nats::jetstream::Context,
-        declared: HashSet<String>,
-    },
-}
-
-impl Link {
-    async fn open(transport: &Transport) -> Result<Self, TransportError> {
-        match transport {
-            #[cfg(feature = "rabbitmq")]
-            Transport::Amqp(config) => {
-                let connection = amqp::connect(config, "relay").await?;
-                let publisher = Publisher::open(&connection).await?;
-                Ok(Link::Amqp {
-                    connection,
-                    publisher,
-                    declared: HashSet::new(),
-                })
-            }
-            #[cfg(feature = "nats")]
-            Transport::Nats(config) => {
-                let client = nats::connect(config, "relay").await?;
-                let context = async_nats::jetstream::new(client.clone());
-                Ok(Link::Nats {
-                    client,
-                    context,
-                    declared: HashSet::new(),
-                })
-            }
-        }
-    }
-
-    fn usable(&self) -> bool {
-        match self {
-            #[cfg(feature = "rabbitmq")]
-            Link::Amqp { connection, .. } => connection.status().connected(),
-            // The client reconnects by itself; a publish while it is away fails and the
-            // pass is retried.
-            #[cfg(feature = "nats")]
-            Link::Nats { .. } => true,
-        }
-    }
-
-    async fn close(self) {
-        match self {
-            #[cfg(feature = "rabbitmq")]
-            Link::Amqp { connection, .. } => {
-                let _ = connection.close(200, "relay stopping".into()).await;
-            }
-            #[cfg(feature = "nats")]
-            Link::Nats { client, .. } => {
-                let _ = client.drain().await;
-            }
-        }
-    }
-
-    /// Publishes `rows` in order and waits for the broker's confirms: how many of them,
-    /// from the first, were confirmed, and the first failure after them.
-    async fn publish(
-        &mut self,
-        transport: &Transport,
-        rows: &[OutboxRow],
-    ) -> Result<(usize, Option<TransportError>), TransportError> {
-        match (self, transport) {
-            #[cfg(feature = "rabbitmq")]
-            (
-                Link::Amqp {
-                    publisher,
-                    declared,
-                    ..
-                },
-                Transport::Amqp(amqp),
-            ) => {
-                for row in rows {
-                    let queue = amqp.queue(&row.destination);
-                    if !declared.contains(&queue) {
-                        amqp::declare(publisher.channel(), amqp, &row.destination).await?;
-                        declared.insert(queue);
-                    }
-                }
-                // Published in order on one channel (the broker keeps that order per
-                // queue), then every confirm awaited.
-                let mut confirms = Vec::with_capacity(rows.len());
-                for row in rows {
-                    let (body, properties) = codec::encode(&row.envelope);
-                    let queue = amqp.queue(&row.destination);
-                    let confirm = publisher
-                        .start_publish(&queue, &body, properties, Routing::Required)
-                        .await?;
-                    confirms.push((queue, confirm));
-                }
-                let mut confirmed = 0;
-                let mut failure = None;
-                for (queue, confirm) in confirms {
-                    match Publisher::confirmed(&queue, confirm).await {
-                        Ok(()) if failure.is_none() => confirmed += 1,
-                        Ok(()) => {}
-                        Err(error) => {
-                            failure.get_or_insert(error.into());
-                        }
-                    }
-                }
-                Ok((confirmed, failure))
-            }
-            #[cfg(feature = "nats")]
-            (
-                Link::Nats {
-                    context, declared, ..
-                },
-                Transport::Nats(config),
-            ) => {
-                for row in rows {
-                    if !declared.contains(row.destination.as_str()) {
-                        nats::declare(context, config, &row.destination).await?;
-                        declared.insert(row.destination.as_str().to_owned());
-                    }
-                }
-                // One at a time: JetStream stores each before the next is sent, so a
-                // failure leaves only what follows it pending, in order.
-                let mut confirmed = 0;
-                for row in rows {
-                    let (body, headers) = nats::codec::encode(&row.envelope);
-                    let subject = config.subject(&row.destination);
-                    if let Err(error) = nats::publish(context, &subject, headers, body).await {
-                        return Ok((confirmed, Some(error.into())));
-                    }
-                    confirmed += 1;
-                }
-                Ok((confirmed, None))
-            }
-            #[allow(unreachable_patterns)]
-            _ => Err(TransportError::Mismatch),
-        }
-    }
 }
 
 /// The outbox relay actor. Spawn with [`Actor::spawn`] and [`RelayArguments`].
@@ -372,7 +220,7 @@ where
             source: args.source,
             transport: args.transport,
             config: args.config,
-            link: None,
+            sender: None,
             failures: 0,
             retry_at: now,
             pruned_at: now,
@@ -384,8 +232,8 @@ where
         _myself: ActorRef<Self::Msg>,
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
-        if let Some(link) = state.link.take() {
-            link.close().await;
+        if let Some(sender) = state.sender.take() {
+            sender.close().await;
         }
         Ok(())
     }
@@ -417,7 +265,7 @@ where
     for<'c> &'c mut <P::Db as Database>::Connection: sqlx::Executor<'c, Database = P::Db>,
     <P::Db as Database>::Connection: OutboxReader,
 {
-    /// Passes until nothing is pending; on failure, drops the link and backs off.
+    /// Passes until nothing is pending; on failure, drops the connection and backs off.
     async fn drain(&mut self) -> Result<usize, RelayError> {
         let mut published = 0;
         loop {
@@ -436,9 +284,9 @@ where
                     tracing::warn!(%error, retry_in = ?wait, "outbox relay pass failed");
                     // A database error leaves the broker connection as good as it was.
                     if matches!(error, RelayError::Broker(_))
-                        && let Some(link) = self.link.take()
+                        && let Some(sender) = self.sender.take()
                     {
-                        link.close().await;
+                        sender.close().await;
                     }
                     return Err(error);
                 }
@@ -455,13 +303,15 @@ where
         if rows.is_empty() {
             return Ok(0);
         }
-        if !self.link.as_ref().is_some_and(Link::usable) {
-            self.link = Some(Link::open(&self.transport).await?);
-        }
-        let Some(link) = self.link.as_mut() else {
-            return Err(RelayError::Config("no broker connection".into()));
+        let sender = match self.sender.take() {
+            Some(sender) if sender.is_connected() => self.sender.insert(sender),
+            _ => self
+                .sender
+                .insert(Sender::connect(&self.transport, "relay").await?),
         };
-        let (confirmed, failure) = link.publish(&self.transport, &rows).await?;
+        let Sent { confirmed, failure } = sender
+            .send_all(rows.iter().map(|row| (&row.destination, &row.envelope)))
+            .await?;
         // Only the confirmed prefix is marked: a row after a refused one stays pending
         // and goes again (a repeat the inbox absorbs) rather than out of order.
         let now = Utc::now();

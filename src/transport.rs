@@ -1,10 +1,12 @@
 //! The transport boundary: [`Transport`] names a broker (RabbitMQ or NATS JetStream) and
 //! its settings, chosen by the URL's scheme ([`Transport::from_url`]); what the runtime
 //! does with a broker — serve a step ([`serve_step`]), consume a consumer type
-//! ([`consume`]), dispatch an orchestrator's commands ([`Dispatcher`]) — goes through
-//! here, so the [`Participant`](crate::Participant) runtime, the outbox
+//! ([`consume`]), dispatch an orchestrator's commands ([`Dispatcher`]), send a command or
+//! a start message with the broker's confirm ([`Sender`]) — goes through here, so the [`Participant`](crate::Participant) runtime, the outbox
 //! [`Relay`](crate::relay::Relay) and [`orchestrate`](crate::orchestrate::orchestrate)
 //! run on either broker with the same guarantees.
+
+mod sender;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -13,13 +15,15 @@ use std::time::Duration;
 #[cfg(feature = "rabbitmq")]
 use crate::amqp::{self, AmqpConfig, AmqpDispatch, AmqpError};
 use crate::delivery::{ConsumerStats, DeliveryHandler};
-use crate::envelope::ConsumerType;
+use crate::envelope::{ConsumerType, KeyError};
 use crate::inbox::{InboxConfig, InboxGuard};
 #[cfg(feature = "nats")]
 use crate::nats::{self, NatsConfig, NatsDispatch, NatsError};
 use crate::orchestrator::Dispatch;
 use crate::step::{StepFailure, StepPool, StepReply};
 use crate::store::InboxStore;
+
+pub use sender::{Sender, Sent};
 
 /// A broker and how to use it.
 #[derive(Debug, Clone)]
@@ -60,9 +64,10 @@ pub enum TransportError {
         /// The URL, password redacted.
         url: String,
     },
-    /// A link of one transport was used with the other's settings (a bug).
-    #[error("a broker link was used with another transport's settings")]
-    Mismatch,
+    /// A destination that cannot name a queue or stream (a start message whose kind,
+    /// the saga's name, is not a valid consumer type).
+    #[error("cannot send there: {0}")]
+    Destination(#[from] KeyError),
     /// RabbitMQ failed or was refused.
     #[cfg(feature = "rabbitmq")]
     #[error(transparent)]
