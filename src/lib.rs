@@ -131,9 +131,12 @@
 
 #[cfg(feature = "rabbitmq")]
 pub mod amqp;
+mod backoff;
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub mod batching;
 pub mod clock;
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+pub mod consumer;
 pub mod database;
 pub mod delivery;
 pub mod envelope;

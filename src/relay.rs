@@ -361,7 +361,5 @@ where
 
 /// The wait before the pass after `failures` failed ones: 100 ms doubled up to 5 s.
 fn backoff(failures: u32) -> Duration {
-    Duration::from_millis(100)
-        .saturating_mul(2u32.saturating_pow(failures.min(16)))
-        .min(Duration::from_secs(5))
+    crate::backoff::doubling(Duration::from_millis(100), failures, Duration::from_secs(5))
 }

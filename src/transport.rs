@@ -14,7 +14,7 @@ use std::time::Duration;
 
 #[cfg(feature = "rabbitmq")]
 use crate::amqp::{self, AmqpConfig, AmqpDispatch, AmqpError};
-use crate::delivery::{ConsumerStats, DeliveryHandler};
+use crate::delivery::DeliveryHandler;
 use crate::envelope::{ConsumerType, KeyError};
 use crate::inbox::{InboxConfig, InboxGuard};
 #[cfg(feature = "nats")]
@@ -23,6 +23,7 @@ use crate::orchestrator::Dispatch;
 use crate::step::{StepFailure, StepPool, StepReply};
 use crate::store::InboxStore;
 
+pub use crate::consumer::ConsumerHandle;
 pub use sender::{Sender, Sent};
 
 /// A broker and how to use it.
@@ -204,74 +205,6 @@ impl Transport {
     }
 }
 
-/// A running consumer on either transport.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum ConsumerHandle {
-    /// On RabbitMQ.
-    #[cfg(feature = "rabbitmq")]
-    Amqp(amqp::ConsumerHandle),
-    /// On NATS JetStream.
-    #[cfg(feature = "nats")]
-    Nats(nats::ConsumerHandle),
-}
-
-impl ConsumerHandle {
-    /// What it has done so far.
-    pub fn stats(&self) -> &Arc<ConsumerStats> {
-        match self {
-            #[cfg(feature = "rabbitmq")]
-            ConsumerHandle::Amqp(handle) => handle.stats(),
-            #[cfg(feature = "nats")]
-            ConsumerHandle::Nats(handle) => handle.stats(),
-        }
-    }
-
-    /// Whether the consumer has ended without being stopped (a bug).
-    pub fn is_finished(&self) -> bool {
-        match self {
-            #[cfg(feature = "rabbitmq")]
-            ConsumerHandle::Amqp(handle) => handle.is_finished(),
-            #[cfg(feature = "nats")]
-            ConsumerHandle::Nats(handle) => handle.is_finished(),
-        }
-    }
-
-    /// Stops consuming, lets the messages in flight finish and settle.
-    pub async fn stop(self) {
-        match self {
-            #[cfg(feature = "rabbitmq")]
-            ConsumerHandle::Amqp(handle) => handle.stop().await,
-            #[cfg(feature = "nats")]
-            ConsumerHandle::Nats(handle) => handle.stop().await,
-        }
-    }
-
-    /// Drops the consumer at once, as a crash would.
-    pub fn abort(self) {
-        match self {
-            #[cfg(feature = "rabbitmq")]
-            ConsumerHandle::Amqp(handle) => handle.abort(),
-            #[cfg(feature = "nats")]
-            ConsumerHandle::Nats(handle) => handle.abort(),
-        }
-    }
-}
-
-#[cfg(feature = "rabbitmq")]
-impl From<amqp::ConsumerHandle> for ConsumerHandle {
-    fn from(handle: amqp::ConsumerHandle) -> Self {
-        ConsumerHandle::Amqp(handle)
-    }
-}
-
-#[cfg(feature = "nats")]
-impl From<nats::ConsumerHandle> for ConsumerHandle {
-    fn from(handle: nats::ConsumerHandle) -> Self {
-        ConsumerHandle::Nats(handle)
-    }
-}
-
 /// Consumes `consumer_type`'s messages of `kinds` with `handler`, on the transport's
 /// durable queue or stream. With `inbox`, a JetStream stream's retention is checked
 /// against its TTL first (a RabbitMQ queue's is checked against the inbox its
@@ -288,17 +221,13 @@ pub async fn consume<H: DeliveryHandler>(
         Transport::Amqp(config) => {
             let _ = inbox;
             let options = amqp::ConsumerOptions::new(consumer_type, kinds);
-            Ok(amqp::Consumer::spawn(config.clone(), options, handler)
-                .await?
-                .into())
+            Ok(amqp::Consumer::spawn(config.clone(), options, handler).await?)
         }
         #[cfg(feature = "nats")]
         Transport::Nats(config) => {
             let mut options = nats::ConsumerOptions::new(consumer_type, kinds);
             options.inbox = inbox.cloned();
-            Ok(nats::Consumer::spawn(config.clone(), options, handler)
-                .await?
-                .into())
+            Ok(nats::Consumer::spawn(config.clone(), options, handler).await?)
         }
     }
 }
@@ -324,20 +253,18 @@ pub async fn serve_step(
         Transport::Amqp(config) if batch > 1 => {
             Ok(
                 amqp::serve_step_batched(config.clone(), pool, kinds, timeout, batch, linger)
-                    .await?
-                    .into(),
+                    .await?,
             )
         }
         #[cfg(feature = "rabbitmq")]
-        Transport::Amqp(config) => Ok(amqp::serve_step(config.clone(), pool, kinds, timeout)
-            .await?
-            .into()),
+        Transport::Amqp(config) => {
+            Ok(amqp::serve_step(config.clone(), pool, kinds, timeout).await?)
+        }
         #[cfg(feature = "nats")]
         Transport::Nats(config) => {
             Ok(
                 nats::serve_step(config.clone(), pool, kinds, timeout, batch, linger, inbox)
-                    .await?
-                    .into(),
+                    .await?,
             )
         }
     }

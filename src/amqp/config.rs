@@ -266,10 +266,7 @@ impl AmqpConfig {
 
     /// The wait before reconnection attempt `attempt` (0-based).
     pub(crate) fn backoff(&self, attempt: u32) -> Duration {
-        let factor = 2u32.saturating_pow(attempt.min(16));
-        self.reconnect_backoff
-            .saturating_mul(factor)
-            .min(self.max_reconnect_backoff)
+        crate::backoff::doubling(self.reconnect_backoff, attempt, self.max_reconnect_backoff)
     }
 }
 

@@ -25,33 +25,31 @@
 //!   finish and settle, then closes the connection.
 
 use std::collections::BTreeSet;
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use futures_lite::StreamExt;
-use futures_util::FutureExt;
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use tokio::sync::watch;
-use tokio::task::{JoinHandle, JoinSet};
-use tracing::Instrument;
+use tokio::task::JoinSet;
 
 use super::broker::{self, Publisher, Routing};
 use super::codec;
 use super::config::{AmqpConfig, AmqpError, QueueType};
+use crate::consumer::{Received, Retried, Settler};
 use crate::delivery::{
     ATTEMPTS_HEADER, ConsumerStats, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler,
-    Disposition,
 };
-use crate::envelope::{ConsumerType, Envelope};
+use crate::envelope::{ConsumerType, Envelope, MessageId};
 use crate::metrics::DeadReason;
-use crate::supervisor::panic_message;
-use crate::trace;
+use crate::wire::Malformed;
+
+pub use crate::consumer::ConsumerHandle;
 
 /// The header in which a quorum queue counts a message's earlier deliveries.
 pub(crate) const DELIVERY_COUNT_HEADER: &str = "x-delivery-count";
@@ -83,40 +81,6 @@ impl ConsumerOptions {
             kinds: kinds.into_iter().map(Into::into).collect(),
             private_queue: None,
         }
-    }
-}
-
-/// A running consumer.
-#[derive(Debug)]
-pub struct ConsumerHandle {
-    stop: watch::Sender<bool>,
-    task: JoinHandle<()>,
-    stats: Arc<ConsumerStats>,
-}
-
-impl ConsumerHandle {
-    /// What it has done so far.
-    pub fn stats(&self) -> &Arc<ConsumerStats> {
-        &self.stats
-    }
-
-    /// Whether the consumer has ended without being stopped: it reconnects after every
-    /// broker failure, so only a bug (a panic outside the handler) ends it early.
-    pub fn is_finished(&self) -> bool {
-        self.task.is_finished()
-    }
-
-    /// Stops consuming, lets the deliveries in flight finish and settle, and closes the
-    /// connection.
-    pub async fn stop(self) {
-        let _ = self.stop.send(true);
-        let _ = self.task.await;
-    }
-
-    /// Drops the consumer at once, without settling what is in flight: what a crash
-    /// does. Unacknowledged deliveries return to the queue.
-    pub fn abort(self) {
-        self.task.abort();
     }
 }
 
@@ -157,15 +121,20 @@ impl Consumer {
             .private_queue
             .clone()
             .unwrap_or_else(|| config.queue(&options.consumer_type));
+        let settler = Settler::new(
+            options.consumer_type.clone(),
+            options.kinds.clone(),
+            handler,
+            Arc::clone(&stats),
+        );
         let session = Session {
             readiness: crate::health::global().consumer(format!("{queue} (RabbitMQ)")),
             config: Arc::new(config),
-            options: Arc::new(options),
-            handler: Arc::new(handler),
-            stats: Arc::clone(&stats),
+            options,
+            settler: Arc::new(settler),
         };
         let task = tokio::spawn(session.run_forever(first, stopped));
-        Ok(ConsumerHandle { stop, task, stats })
+        Ok(ConsumerHandle::new(stop, task, stats))
     }
 }
 
@@ -173,9 +142,8 @@ struct Session<H> {
     /// Consuming while a subscription is open on a live connection.
     readiness: crate::health::ConsumerReadiness,
     config: Arc<AmqpConfig>,
-    options: Arc<ConsumerOptions>,
-    handler: Arc<H>,
-    stats: Arc<ConsumerStats>,
+    options: ConsumerOptions,
+    settler: Arc<Settler<H>>,
 }
 
 impl<H: DeliveryHandler> Session<H> {
@@ -220,7 +188,7 @@ impl<H: DeliveryHandler> Session<H> {
         connection: lapin::Connection,
         stopped: &mut watch::Receiver<bool>,
     ) -> Result<(), AmqpError> {
-        self.stats.sessions.fetch_add(1, Relaxed);
+        self.settler.stats().sessions.fetch_add(1, Relaxed);
         let publisher = Publisher::open(&connection).await?;
         let queue = declare_source(publisher.channel(), &self.config, &self.options).await?;
         let channel = connection
@@ -243,12 +211,13 @@ impl<H: DeliveryHandler> Session<H> {
             .map_err(AmqpError::broker("start consuming"))?;
         tracing::info!(%queue, prefetch = self.config.prefetch, "consuming");
         self.readiness.set_consuming(true);
-        // What every delivery's task needs, shared: one reference count per delivery.
-        let work = Arc::new(Work {
+        // What every delivery's settling needs, shared: one reference count per delivery.
+        let link = Arc::new(Link {
+            // A private queue is classic (exclusive): its retries republish.
+            quorum: self.config.queue_type == QueueType::Quorum
+                && self.options.private_queue.is_none(),
+            dead_queue: self.config.dead_queue(&self.options.consumer_type),
             config: Arc::clone(&self.config),
-            options: Arc::clone(&self.options),
-            handler: Arc::clone(&self.handler),
-            stats: Arc::clone(&self.stats),
             publisher,
             queue: queue.clone(),
         });
@@ -273,7 +242,9 @@ impl<H: DeliveryHandler> Session<H> {
                 }
                 next = deliveries.next() => match next {
                     Some(Ok(delivery)) => {
-                        in_flight.spawn(Arc::clone(&work).settle(delivery));
+                        let settler = Arc::clone(&self.settler);
+                        let delivered = Delivered { delivery, link: Arc::clone(&link) };
+                        in_flight.spawn(async move { settler.settle(delivered).await });
                     }
                     Some(Err(source)) => break Err(AmqpError::Broker { operation: "consume", source }),
                     None => break Err(AmqpError::Config(format!(
@@ -342,129 +313,45 @@ async fn declare_source(
     }
 }
 
-/// Settling deliveries: what each delivery's task shares with the others of its session.
-struct Work<H> {
+/// What settling a delivery needs of its session, shared by its deliveries.
+struct Link {
     config: Arc<AmqpConfig>,
-    options: Arc<ConsumerOptions>,
-    handler: Arc<H>,
-    stats: Arc<ConsumerStats>,
     publisher: Publisher,
+    /// The queue consumed.
     queue: String,
+    /// Where its dead letters go.
+    dead_queue: String,
+    /// A retry is a `basic.nack` the broker counts (a durable quorum queue).
+    quorum: bool,
 }
 
-impl<H: DeliveryHandler> Work<H> {
-    async fn settle(self: Arc<Self>, delivery: Delivery) {
-        let settled = match codec::decode(&delivery.properties, &delivery.data, &self.options.kinds)
-        {
-            Err(malformed) => {
-                self.dead_letter(&delivery, malformed.reason(), &malformed.to_string())
-                    .await
-            }
-            Ok(envelope) => {
-                // The sender's span (its context in the envelope) is this one's parent;
-                // the handler, its reply and what it publishes run inside it.
-                let span = tracing::debug_span!(
-                    "amqp.consume",
-                    queue = %self.queue,
-                    message_id = %envelope.id,
-                    kind = %envelope.kind,
-                    saga_id = envelope.saga_id.as_deref(),
-                );
-                trace::continue_from(&span, &envelope.headers);
-                self.handle(&delivery, envelope).instrument(span).await
-            }
-        };
-        if let Err(error) = settled {
-            // Not acked: the broker redelivers it, and the inbox absorbs a repeat.
-            tracing::warn!(queue = %self.queue, %error, "delivery not settled; it will be redelivered");
-        }
-    }
+/// One delivery of a session.
+struct Delivered {
+    delivery: Delivery,
+    link: Arc<Link>,
+}
 
-    /// Runs the handler on a decoded delivery and settles it as the handler says.
-    async fn handle(&self, delivery: &Delivery, envelope: Envelope) -> Result<(), AmqpError> {
-        let id = envelope.id.clone();
-        // A handler that panics must still settle its delivery: left unacked, it
-        // would hold one of the prefetch's slots until the connection closed. Boxed: a
-        // handler's future (a guarded transaction's) runs to kilobytes, and this keeps
-        // it from being copied with every future that wraps it.
-        let disposition = AssertUnwindSafe(Box::pin(self.handler.handle(envelope)))
-            .catch_unwind()
+impl Delivered {
+    async fn ack(&self) -> Result<(), AmqpError> {
+        self.delivery
+            .acker
+            .ack(BasicAckOptions::default())
             .await
-            .unwrap_or_else(|panic| {
-                Disposition::Retry(format!(
-                    "the handler panicked: {}",
-                    panic_message(panic.as_ref())
-                ))
-            });
-        match disposition {
-            Disposition::Done { reply } => self.done(delivery, &id, reply).await,
-            Disposition::Retry(reason) => self.retry(delivery, &reason).await,
-            Disposition::Reject(reason) => {
-                self.dead_letter(delivery, DeadReason::Rejected, &reason)
-                    .await
-            }
-        }
-    }
-
-    async fn done(
-        &self,
-        delivery: &Delivery,
-        id: &crate::envelope::MessageId,
-        reply: Option<Envelope>,
-    ) -> Result<(), AmqpError> {
-        if let (Some(reply), Some(reply_to)) = (reply, delivery.properties.reply_to()) {
-            self.publisher
-                .publish(
-                    reply_to.as_str(),
-                    &reply,
-                    None,
-                    Some(id.as_str()),
-                    Routing::BestEffort,
-                )
-                .await?;
-        }
-        self.ack(delivery).await?;
-        self.stats.acked.fetch_add(1, Relaxed);
-        Ok(())
-    }
-
-    async fn retry(&self, delivery: &Delivery, reason: &str) -> Result<(), AmqpError> {
-        if self.config.queue_type == QueueType::Quorum && self.options.private_queue.is_none() {
-            return self.nack(delivery, reason).await;
-        }
-        let attempts = codec::count_header(&delivery.properties, ATTEMPTS_HEADER)
-            .unwrap_or(0)
-            .saturating_add(1);
-        if attempts >= self.config.max_redeliveries {
-            let detail = format!("failed {attempts} times, last: {reason}");
-            return self
-                .dead_letter(delivery, DeadReason::RetriesExhausted, &detail)
-                .await;
-        }
-        tokio::time::sleep(backoff(attempts)).await;
-        let properties = codec::with_headers(
-            delivery.properties.clone(),
-            [(ATTEMPTS_HEADER, AMQPValue::LongLongInt(i64::from(attempts)))],
-        );
-        self.publisher
-            .publish_raw(&self.queue, &delivery.data, properties, Routing::Required)
-            .await?;
-        self.ack(delivery).await?;
-        self.stats.requeued.fetch_add(1, Relaxed);
+            .map_err(AmqpError::broker("ack"))?;
         Ok(())
     }
 
     /// A quorum queue's retry: back to the queue with `basic.nack`, which counts the
     /// delivery; the broker dead-letters the message past its delivery limit.
-    async fn nack(&self, delivery: &Delivery, reason: &str) -> Result<(), AmqpError> {
+    async fn nack(&self, reason: &str) -> Result<Retried, AmqpError> {
         // x-delivery-count is 0 (or absent) on a first delivery, 1 on the second, ...
-        let attempts = codec::count_header(&delivery.properties, DELIVERY_COUNT_HEADER)
+        let attempts = codec::count_header(&self.delivery.properties, DELIVERY_COUNT_HEADER)
             .unwrap_or(0)
             .saturating_add(1);
-        let last = attempts >= self.config.max_redeliveries;
+        let last = attempts >= self.link.config.max_redeliveries;
         if last {
             tracing::warn!(
-                queue = %self.queue,
+                queue = %self.link.queue,
                 attempts,
                 reason,
                 "last retry failed; the broker dead-letters the message at its delivery limit"
@@ -472,7 +359,7 @@ impl<H: DeliveryHandler> Work<H> {
         }
         // The requeued message comes back at once: wait first, as the classic path does.
         tokio::time::sleep(backoff(attempts)).await;
-        delivery
+        self.delivery
             .acker
             .nack(BasicNackOptions {
                 requeue: true,
@@ -480,27 +367,91 @@ impl<H: DeliveryHandler> Work<H> {
             })
             .await
             .map_err(AmqpError::broker("nack"))?;
-        self.stats.requeued.fetch_add(1, Relaxed);
-        if last {
-            // The broker dead-letters it without telling anyone: this nack is the only
-            // place that knows, so the dead-letter counter counts it here.
-            crate::metrics::dead_lettered(
-                self.options.consumer_type.as_str(),
-                DeadReason::RetriesExhausted,
-            );
-        }
-        Ok(())
+        Ok(if last {
+            Retried::RequeuedLast
+        } else {
+            Retried::Requeued
+        })
+    }
+}
+
+impl Received for Delivered {
+    type Error = AmqpError;
+
+    fn source(&self) -> &str {
+        &self.link.queue
     }
 
-    async fn dead_letter(
+    fn decode(&self, kinds: &BTreeSet<String>) -> Result<Envelope, Malformed> {
+        codec::decode(&self.delivery.properties, &self.delivery.data, kinds)
+    }
+
+    fn span(&self, envelope: &Envelope) -> tracing::Span {
+        tracing::debug_span!(
+            "amqp.consume",
+            queue = %self.link.queue,
+            message_id = %envelope.id,
+            kind = %envelope.kind,
+            saga_id = envelope.saga_id.as_deref(),
+        )
+    }
+
+    async fn reply_and_ack(
         &self,
-        delivery: &Delivery,
-        reason: DeadReason,
-        detail: &str,
+        reply: Option<Envelope>,
+        command: &MessageId,
     ) -> Result<(), AmqpError> {
-        tracing::warn!(queue = %self.queue, reason = reason.as_str(), detail, "dead-lettering a message");
+        if let (Some(reply), Some(reply_to)) = (reply, self.delivery.properties.reply_to()) {
+            self.link
+                .publisher
+                .publish(
+                    reply_to.as_str(),
+                    &reply,
+                    None,
+                    Some(command.as_str()),
+                    Routing::BestEffort,
+                )
+                .await?;
+        }
+        self.ack().await
+    }
+
+    /// On a quorum queue, a nack the broker counts; on a classic queue, which counts
+    /// nothing, the message published again to the back of its queue with
+    /// `x-sagabox-attempts` incremented and the original acked.
+    async fn retry(&self, reason: &str) -> Result<Retried, AmqpError> {
+        if self.link.quorum {
+            return self.nack(reason).await;
+        }
+        let attempts = codec::count_header(&self.delivery.properties, ATTEMPTS_HEADER)
+            .unwrap_or(0)
+            .saturating_add(1);
+        if attempts >= self.link.config.max_redeliveries {
+            return Ok(Retried::Exhausted(format!(
+                "failed {attempts} times, last: {reason}"
+            )));
+        }
+        tokio::time::sleep(backoff(attempts)).await;
         let properties = codec::with_headers(
-            delivery.properties.clone(),
+            self.delivery.properties.clone(),
+            [(ATTEMPTS_HEADER, AMQPValue::LongLongInt(i64::from(attempts)))],
+        );
+        self.link
+            .publisher
+            .publish_raw(
+                &self.link.queue,
+                &self.delivery.data,
+                properties,
+                Routing::Required,
+            )
+            .await?;
+        self.ack().await?;
+        Ok(Retried::Requeued)
+    }
+
+    async fn dead_letter(&self, reason: DeadReason, detail: &str) -> Result<(), AmqpError> {
+        let properties = codec::with_headers(
+            self.delivery.properties.clone(),
             [
                 (
                     DEAD_REASON_HEADER,
@@ -509,26 +460,24 @@ impl<H: DeliveryHandler> Work<H> {
                 (DEAD_DETAIL_HEADER, AMQPValue::LongString(detail.into())),
             ],
         );
-        let dead = self.config.dead_queue(&self.options.consumer_type);
-        self.publisher
-            .publish_raw(&dead, &delivery.data, properties, Routing::Required)
+        self.link
+            .publisher
+            .publish_raw(
+                &self.link.dead_queue,
+                &self.delivery.data,
+                properties,
+                Routing::Required,
+            )
             .await?;
-        self.ack(delivery).await?;
-        self.stats.dead_lettered.fetch_add(1, Relaxed);
-        crate::metrics::dead_lettered(self.options.consumer_type.as_str(), reason);
-        Ok(())
-    }
-
-    async fn ack(&self, delivery: &Delivery) -> Result<(), AmqpError> {
-        delivery
-            .acker
-            .ack(BasicAckOptions::default())
-            .await
-            .map_err(AmqpError::broker("ack"))?;
-        Ok(())
+        self.ack().await
     }
 }
 
+/// The wait before a retried delivery is requeued: 50 ms doubled per attempt, up to 3.2 s.
 fn backoff(attempt: u32) -> Duration {
-    Duration::from_millis(50u64.saturating_mul(1 << attempt.min(6)))
+    crate::backoff::doubling(
+        Duration::from_millis(50),
+        attempt,
+        Duration::from_millis(3200),
+    )
 }

@@ -24,7 +24,6 @@
 //!   settle, then drains the connection.
 
 use std::collections::BTreeSet;
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
@@ -32,23 +31,22 @@ use std::time::Duration;
 use async_nats::Client;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{AckKind, Context, Message};
-use futures_util::{FutureExt, StreamExt};
+use futures_util::StreamExt;
 use tokio::sync::watch;
-use tokio::task::{JoinHandle, JoinSet};
-use tracing::Instrument;
+use tokio::task::JoinSet;
 
 use super::codec::{self, CORRELATION_ID_HEADER, REPLY_TO_HEADER};
 use super::config::{NatsConfig, NatsError};
 use super::jetstream::{self, RETENTION_SETTING};
-use crate::delivery::{
-    ConsumerStats, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler, Disposition,
-};
+use crate::consumer::{Received, Retried, Settler};
+use crate::delivery::{ConsumerStats, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler};
 use crate::envelope::{ConsumerType, Envelope, MessageId};
 use crate::inbox::InboxConfig;
 use crate::metrics::DeadReason;
 use crate::retention;
-use crate::supervisor::panic_message;
-use crate::trace;
+use crate::wire::Malformed;
+
+pub use crate::consumer::ConsumerHandle;
 
 /// How long a pull request waits on the server; the client sends a new one after.
 const PULL_EXPIRY: Duration = Duration::from_secs(5);
@@ -83,40 +81,6 @@ impl ConsumerOptions {
     pub fn checked_against(mut self, inbox: InboxConfig) -> Self {
         self.inbox = Some(inbox);
         self
-    }
-}
-
-/// A running consumer.
-#[derive(Debug)]
-pub struct ConsumerHandle {
-    stop: watch::Sender<bool>,
-    task: JoinHandle<()>,
-    stats: Arc<ConsumerStats>,
-}
-
-impl ConsumerHandle {
-    /// What it has done so far (`sessions` counts pull subscriptions started).
-    pub fn stats(&self) -> &Arc<ConsumerStats> {
-        &self.stats
-    }
-
-    /// Whether the consumer has ended without being stopped: only a bug (a panic
-    /// outside the handler) ends it early.
-    pub fn is_finished(&self) -> bool {
-        self.task.is_finished()
-    }
-
-    /// Stops pulling, lets the messages in flight finish and settle, and drains the
-    /// connection.
-    pub async fn stop(self) {
-        let _ = self.stop.send(true);
-        let _ = self.task.await;
-    }
-
-    /// Drops the consumer at once, without settling what is in flight: what a crash
-    /// does. Unacknowledged messages come back after `ack_wait`.
-    pub fn abort(self) {
-        self.task.abort();
     }
 }
 
@@ -156,34 +120,41 @@ impl Consumer {
         let (stop, stopped) = watch::channel(false);
         let stats = Arc::new(ConsumerStats::default());
         let session = Session {
-            shared: Arc::new(Shared {
+            link: Arc::new(Link {
+                subject: config.subject(&options.consumer_type),
+                dead_subject: config.dead_subject(&options.consumer_type),
                 config,
-                options,
-                handler,
-                stats: Arc::clone(&stats),
                 client,
                 context,
             }),
+            settler: Arc::new(Settler::new(
+                options.consumer_type,
+                options.kinds,
+                handler,
+                Arc::clone(&stats),
+            )),
             consumer,
             readiness,
         };
         let task = tokio::spawn(session.run(stopped));
-        Ok(ConsumerHandle { stop, task, stats })
+        Ok(ConsumerHandle::new(stop, task, stats))
     }
 }
 
-/// What every message's settling needs.
-struct Shared<H> {
+/// What settling a message needs of its consumer, shared by its messages.
+struct Link {
     config: NatsConfig,
-    options: ConsumerOptions,
-    handler: H,
-    stats: Arc<ConsumerStats>,
     client: Client,
     context: Context,
+    /// The subject consumed.
+    subject: String,
+    /// Where its dead letters go.
+    dead_subject: String,
 }
 
 struct Session<H> {
-    shared: Arc<Shared<H>>,
+    link: Arc<Link>,
+    settler: Arc<Settler<H>>,
     consumer: PullConsumer,
     /// Consuming while the pull subscription is open and the client connected.
     readiness: crate::health::ConsumerReadiness,
@@ -194,11 +165,11 @@ impl<H: DeliveryHandler> Session<H> {
         let mut in_flight = JoinSet::new();
         let mut failures = 0u32;
         'subscribe: loop {
-            self.shared.stats.sessions.fetch_add(1, Relaxed);
+            self.settler.stats().sessions.fetch_add(1, Relaxed);
             let subscribed = self
                 .consumer
                 .stream()
-                .max_messages_per_batch(usize::from(self.shared.config.prefetch))
+                .max_messages_per_batch(usize::from(self.link.config.prefetch))
                 .expires(PULL_EXPIRY)
                 .heartbeat(PULL_EXPIRY / 2)
                 .messages()
@@ -220,7 +191,7 @@ impl<H: DeliveryHandler> Session<H> {
             loop {
                 tokio::select! {
                     _ = health.tick() => {
-                        let connected = self.shared.client.connection_state()
+                        let connected = self.link.client.connection_state()
                             == async_nats::connection::State::Connected;
                         self.readiness.set_consuming(connected);
                     }
@@ -232,13 +203,15 @@ impl<H: DeliveryHandler> Session<H> {
                     next = messages.next() => match next {
                         Some(Ok(message)) => {
                             failures = 0;
-                            in_flight.spawn(Arc::clone(&self.shared).settle(message));
+                            let settler = Arc::clone(&self.settler);
+                            let delivered = Delivered::new(message, Arc::clone(&self.link));
+                            in_flight.spawn(async move { settler.settle(delivered).await });
                         }
                         // Missed heartbeats and the like while the server is away: the
                         // subscription carries on once the client has reconnected.
                         Some(Err(error)) => {
                             tracing::debug!(
-                                consumer_type = %self.shared.options.consumer_type,
+                                consumer_type = %self.settler.consumer_type(),
                                 %error,
                                 "JetStream pull interrupted"
                             );
@@ -258,7 +231,7 @@ impl<H: DeliveryHandler> Session<H> {
         }
         // Stopping: the messages in flight finish, are acked, and the client flushes.
         while in_flight.join_next().await.is_some() {}
-        let _ = self.shared.client.flush().await;
+        let _ = self.link.client.flush().await;
     }
 
     /// Waits before subscribing again; `true` when stopped meanwhile.
@@ -268,9 +241,13 @@ impl<H: DeliveryHandler> Session<H> {
         failures: u32,
         stopped: &mut watch::Receiver<bool>,
     ) -> bool {
-        let wait = Duration::from_millis(100u64.saturating_mul(1 << failures.min(6)));
+        let wait = crate::backoff::doubling(
+            Duration::from_millis(100),
+            failures,
+            Duration::from_millis(6400),
+        );
         tracing::warn!(
-            consumer_type = %self.shared.options.consumer_type,
+            consumer_type = %self.settler.consumer_type(),
             reason,
             retry_in = ?wait,
             "JetStream consumer lost its subscription; subscribing again"
@@ -282,91 +259,78 @@ impl<H: DeliveryHandler> Session<H> {
     }
 }
 
-impl<H: DeliveryHandler> Shared<H> {
-    async fn settle(self: Arc<Self>, message: Message) {
+/// One message of a subscription, with how many times JetStream has delivered it.
+struct Delivered {
+    message: Message,
+    delivered: u32,
+    link: Arc<Link>,
+}
+
+impl Delivered {
+    fn new(message: Message, link: Arc<Link>) -> Self {
         let delivered = message
             .info()
             .map(|info| u32::try_from(info.delivered).unwrap_or(u32::MAX))
             .unwrap_or(1);
-        let subject = message.subject.to_string();
-        let settled = match codec::decode(
-            message.headers.as_ref(),
-            &message.payload,
-            &self.options.kinds,
-        ) {
-            Err(malformed) => {
-                self.dead_letter(&message, malformed.reason(), &malformed.to_string())
-                    .await
-            }
-            Ok(_) if delivered > self.config.max_deliver => {
-                let detail = format!(
-                    "delivered {delivered} times without being settled (the consumer died or \
-                     outran ack_wait each time); max_deliver is {}",
-                    self.config.max_deliver
-                );
-                self.dead_letter(&message, DeadReason::RetriesExhausted, &detail)
-                    .await
-            }
-            Ok(envelope) => {
-                let span = tracing::debug_span!(
-                    "nats.consume",
-                    subject = %subject,
-                    message_id = %envelope.id,
-                    kind = %envelope.kind,
-                    saga_id = envelope.saga_id.as_deref(),
-                    delivered,
-                );
-                trace::continue_from(&span, &envelope.headers);
-                self.handle(&message, envelope, delivered)
-                    .instrument(span)
-                    .await
-            }
-        };
-        if let Err(error) = settled {
-            // Not acked: JetStream redelivers it after ack_wait, and the inbox absorbs a
-            // repeat.
-            tracing::warn!(%subject, %error, "message not settled; it will be redelivered");
+        Self {
+            message,
+            delivered,
+            link,
         }
     }
 
-    /// Runs the handler on a decoded message and settles it as the handler says.
-    async fn handle(
-        &self,
-        message: &Message,
-        envelope: Envelope,
-        delivered: u32,
-    ) -> Result<(), NatsError> {
-        let id = envelope.id.clone();
-        // A handler that panics must still settle its message: left unacked, it would
-        // hold one of max_ack_pending's slots until ack_wait. Boxed: a handler's future
-        // (a guarded transaction's) runs to kilobytes, and this keeps it from being
-        // copied with every future that wraps it.
-        let disposition = AssertUnwindSafe(Box::pin(self.handler.handle(envelope)))
-            .catch_unwind()
+    async fn ack(&self, kind: AckKind) -> Result<(), NatsError> {
+        self.message
+            .ack_with(kind)
             .await
-            .unwrap_or_else(|panic| {
-                Disposition::Retry(format!(
-                    "the handler panicked: {}",
-                    panic_message(panic.as_ref())
-                ))
-            });
-        match disposition {
-            Disposition::Done { reply } => self.done(message, &id, reply).await,
-            Disposition::Retry(reason) => self.retry(message, delivered, &reason).await,
-            Disposition::Reject(reason) => {
-                self.dead_letter(message, DeadReason::Rejected, &reason)
-                    .await
-            }
-        }
+            .map_err(|error| NatsError::Broker {
+                operation: "ack",
+                reason: error.to_string(),
+            })
+    }
+}
+
+impl Received for Delivered {
+    type Error = NatsError;
+
+    fn source(&self) -> &str {
+        &self.link.subject
     }
 
-    async fn done(
+    fn decode(&self, kinds: &BTreeSet<String>) -> Result<Envelope, Malformed> {
+        codec::decode(self.message.headers.as_ref(), &self.message.payload, kinds)
+    }
+
+    /// Delivered past `max_deliver`: its earlier deliveries were never settled (the
+    /// consumer died, or outran `ack_wait`, each time).
+    fn spent(&self) -> Option<String> {
+        (self.delivered > self.link.config.max_deliver).then(|| {
+            format!(
+                "delivered {} times without being settled (the consumer died or outran \
+                 ack_wait each time); max_deliver is {}",
+                self.delivered, self.link.config.max_deliver
+            )
+        })
+    }
+
+    fn span(&self, envelope: &Envelope) -> tracing::Span {
+        tracing::debug_span!(
+            "nats.consume",
+            subject = %self.message.subject,
+            message_id = %envelope.id,
+            kind = %envelope.kind,
+            saga_id = envelope.saga_id.as_deref(),
+            delivered = self.delivered,
+        )
+    }
+
+    async fn reply_and_ack(
         &self,
-        message: &Message,
-        id: &MessageId,
         reply: Option<Envelope>,
+        command: &MessageId,
     ) -> Result<(), NatsError> {
-        let reply_to = message
+        let reply_to = self
+            .message
             .headers
             .as_ref()
             .and_then(|headers| codec::header(headers, REPLY_TO_HEADER));
@@ -374,66 +338,45 @@ impl<H: DeliveryHandler> Shared<H> {
             // Replies go over core NATS, not stored: one lost with its orchestrator is
             // asked for again, and the step's inbox answers with the first result.
             let (body, mut headers) = codec::encode(&reply);
-            headers.insert(CORRELATION_ID_HEADER, id.as_str());
-            self.client
+            headers.insert(CORRELATION_ID_HEADER, command.as_str());
+            self.link
+                .client
                 .publish_with_headers(reply_to, headers, body.into())
                 .await
                 .map_err(NatsError::broker("publish the reply"))?;
         }
-        self.ack(message, AckKind::Ack).await?;
-        self.stats.acked.fetch_add(1, Relaxed);
-        Ok(())
+        self.ack(AckKind::Ack).await
     }
 
-    async fn retry(
-        &self,
-        message: &Message,
-        delivered: u32,
-        reason: &str,
-    ) -> Result<(), NatsError> {
-        if delivered >= self.config.max_deliver {
-            let detail = format!("failed {delivered} times, last: {reason}");
-            return self
-                .dead_letter(message, DeadReason::RetriesExhausted, &detail)
-                .await;
+    /// A negative acknowledgement with a backoff; JetStream counts the deliveries, and
+    /// the last allowed one is dead-lettered instead.
+    async fn retry(&self, reason: &str) -> Result<Retried, NatsError> {
+        if self.delivered >= self.link.config.max_deliver {
+            return Ok(Retried::Exhausted(format!(
+                "failed {} times, last: {reason}",
+                self.delivered
+            )));
         }
-        let backoff = Duration::from_millis(50u64.saturating_mul(1 << delivered.min(6)));
-        self.ack(message, AckKind::Nak(Some(backoff))).await?;
-        self.stats.requeued.fetch_add(1, Relaxed);
-        Ok(())
+        let backoff = crate::backoff::doubling(
+            Duration::from_millis(50),
+            self.delivered,
+            Duration::from_millis(3200),
+        );
+        self.ack(AckKind::Nak(Some(backoff))).await?;
+        Ok(Retried::Requeued)
     }
 
-    async fn dead_letter(
-        &self,
-        message: &Message,
-        reason: DeadReason,
-        detail: &str,
-    ) -> Result<(), NatsError> {
-        let consumer_type = &self.options.consumer_type;
-        tracing::warn!(%consumer_type, reason = reason.as_str(), detail, "dead-lettering a message");
-        let mut headers = message.headers.clone().unwrap_or_default();
+    async fn dead_letter(&self, reason: DeadReason, detail: &str) -> Result<(), NatsError> {
+        let mut headers = self.message.headers.clone().unwrap_or_default();
         headers.insert(DEAD_REASON_HEADER, reason.as_str());
         headers.insert(DEAD_DETAIL_HEADER, detail);
         jetstream::publish(
-            &self.context,
-            &self.config.dead_subject(consumer_type),
+            &self.link.context,
+            &self.link.dead_subject,
             headers,
-            message.payload.to_vec(),
+            self.message.payload.to_vec(),
         )
         .await?;
-        self.ack(message, AckKind::Ack).await?;
-        self.stats.dead_lettered.fetch_add(1, Relaxed);
-        crate::metrics::dead_lettered(consumer_type.as_str(), reason);
-        Ok(())
-    }
-
-    async fn ack(&self, message: &Message, kind: AckKind) -> Result<(), NatsError> {
-        message
-            .ack_with(kind)
-            .await
-            .map_err(|error| NatsError::Broker {
-                operation: "ack",
-                reason: error.to_string(),
-            })
+        self.ack(AckKind::Ack).await
     }
 }

@@ -1,0 +1,267 @@
+//! The consumer core every broker shares: how one received message is settled
+//! ([`Settler`]), and the [`ConsumerHandle`] of a running consumer.
+//!
+//! A broker's consumer brings the message and what only the broker can do with it
+//! ([`Received`]: decode, acknowledge, reply, requeue, dead-letter); the core decides
+//! which, in one place for every broker:
+//!
+//! - a message that is not an envelope, or whose deliveries are spent, is dead-lettered
+//!   without running;
+//! - otherwise the handler runs (inside the sender's trace), a panic in it taken as a
+//!   retryable failure, and its [`Disposition`] settles the message: done → the reply,
+//!   then the ack; retry → the broker's requeue, or a dead letter once the attempts are
+//!   spent; reject → a dead letter;
+//! - a message that cannot be settled (the connection went) is left unacknowledged: the
+//!   broker delivers it again and the inbox absorbs the repeat.
+//!
+//! Every dead letter is counted in `sagabox_dead_letters_total` and the consumer's
+//! [`ConsumerStats`], whoever ends up writing it.
+
+use std::collections::BTreeSet;
+use std::fmt::Display;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+
+use futures_util::FutureExt;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tracing::Instrument;
+
+use crate::delivery::{ConsumerStats, DeliveryHandler, Disposition};
+use crate::envelope::{ConsumerType, Envelope, MessageId};
+use crate::metrics::DeadReason;
+use crate::supervisor::panic_message;
+use crate::wire::Malformed;
+
+/// A running consumer, on any broker.
+#[derive(Debug)]
+pub struct ConsumerHandle {
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+    stats: Arc<ConsumerStats>,
+}
+
+impl ConsumerHandle {
+    /// The handle of the consumer `task`, which ends when `stop` turns true.
+    pub(crate) fn new(
+        stop: watch::Sender<bool>,
+        task: JoinHandle<()>,
+        stats: Arc<ConsumerStats>,
+    ) -> Self {
+        Self { stop, task, stats }
+    }
+
+    /// What it has done so far (`sessions`: connections or subscriptions started).
+    pub fn stats(&self) -> &Arc<ConsumerStats> {
+        &self.stats
+    }
+
+    /// Whether the consumer has ended without being stopped: it reconnects after every
+    /// broker failure, so only a bug (a panic outside the handler) ends it early.
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// Stops consuming, lets the messages in flight finish and settle, and closes the
+    /// connection.
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+    }
+
+    /// Drops the consumer at once, without settling what is in flight: what a crash
+    /// does. Unacknowledged messages come back from the broker.
+    pub fn abort(self) {
+        self.task.abort();
+    }
+}
+
+/// What became of a message the handler asked to retry.
+#[derive(Debug)]
+pub(crate) enum Retried {
+    /// Back on the queue for another delivery.
+    Requeued,
+    /// Back on the queue for the last time: the broker dead-letters it at its own
+    /// delivery limit (a quorum queue's), so the dead letter is counted here.
+    RequeuedLast,
+    /// Out of attempts: to be dead-lettered, with this detail.
+    Exhausted(String),
+}
+
+/// A message as a broker's consumer received it, and what only that broker can do with
+/// it. Every settling operation acknowledges the message (or hands it back) as its last
+/// step, so a failure before that leaves it to be delivered again.
+pub(crate) trait Received: Send + Sync {
+    /// The broker's error.
+    type Error: Display + Send;
+
+    /// Where the message came from (a queue, a subject), for logs.
+    fn source(&self) -> &str;
+
+    /// The envelope, or why the message is not one.
+    fn decode(&self, kinds: &BTreeSet<String>) -> Result<Envelope, Malformed>;
+
+    /// Why the message must not run although it decodes: its deliveries are spent
+    /// without it ever being settled (the consumer died each time).
+    fn spent(&self) -> Option<String> {
+        None
+    }
+
+    /// The span the handler runs in, named for the broker.
+    fn span(&self, envelope: &Envelope) -> tracing::Span;
+
+    /// Publishes `reply` to the message's `reply_to`, correlated by `command`, when the
+    /// sender gave one; then acknowledges the message.
+    fn reply_and_ack(
+        &self,
+        reply: Option<Envelope>,
+        command: &MessageId,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// Hands the message back for another delivery after a backoff, or says its
+    /// attempts are spent.
+    fn retry(&self, reason: &str) -> impl Future<Output = Result<Retried, Self::Error>> + Send;
+
+    /// Writes the message to its dead-letter queue or stream with `reason` and `detail`,
+    /// then acknowledges it.
+    fn dead_letter(
+        &self,
+        reason: DeadReason,
+        detail: &str,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+}
+
+/// Settles the messages of one consumer type with its handler.
+#[derive(Debug)]
+pub(crate) struct Settler<H> {
+    consumer_type: ConsumerType,
+    kinds: BTreeSet<String>,
+    handler: H,
+    stats: Arc<ConsumerStats>,
+}
+
+impl<H: DeliveryHandler> Settler<H> {
+    /// Settles `consumer_type`'s messages of `kinds` with `handler`, counting in `stats`.
+    pub(crate) fn new(
+        consumer_type: ConsumerType,
+        kinds: BTreeSet<String>,
+        handler: H,
+        stats: Arc<ConsumerStats>,
+    ) -> Self {
+        Self {
+            consumer_type,
+            kinds,
+            handler,
+            stats,
+        }
+    }
+
+    /// The consumer type whose messages it settles.
+    pub(crate) fn consumer_type(&self) -> &ConsumerType {
+        &self.consumer_type
+    }
+
+    /// The consumer's counters.
+    pub(crate) fn stats(&self) -> &Arc<ConsumerStats> {
+        &self.stats
+    }
+
+    /// Decodes, handles and settles one message; a failure to settle is logged and the
+    /// message left to the broker's redelivery.
+    pub(crate) async fn settle<M: Received>(&self, message: M) {
+        let settled = match message.decode(&self.kinds) {
+            Err(malformed) => {
+                self.dead_letter(&message, malformed.reason(), &malformed.to_string())
+                    .await
+            }
+            Ok(envelope) => match message.spent() {
+                Some(detail) => {
+                    self.dead_letter(&message, DeadReason::RetriesExhausted, &detail)
+                        .await
+                }
+                None => {
+                    // The sender's span (its context in the envelope) is this one's
+                    // parent; the handler, its reply and what it publishes run inside it.
+                    let span = message.span(&envelope);
+                    crate::trace::continue_from(&span, &envelope.headers);
+                    self.handle(&message, envelope).instrument(span).await
+                }
+            },
+        };
+        if let Err(error) = settled {
+            tracing::warn!(
+                from = message.source(),
+                %error,
+                "message not settled; it will be redelivered"
+            );
+        }
+    }
+
+    /// Runs the handler on a decoded message and settles it as the handler says.
+    async fn handle<M: Received>(&self, message: &M, envelope: Envelope) -> Result<(), M::Error> {
+        let id = envelope.id.clone();
+        // A handler that panics must still settle its message: left unacknowledged, it
+        // would hold one of the prefetch's slots until the connection closed. Boxed: a
+        // handler's future (a guarded transaction's) runs to kilobytes, and this keeps
+        // it from being copied with every future that wraps it.
+        let disposition = AssertUnwindSafe(Box::pin(self.handler.handle(envelope)))
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|panic| {
+                Disposition::Retry(format!(
+                    "the handler panicked: {}",
+                    panic_message(panic.as_ref())
+                ))
+            });
+        match disposition {
+            Disposition::Done { reply } => {
+                message.reply_and_ack(reply, &id).await?;
+                self.stats.acked.fetch_add(1, Relaxed);
+                Ok(())
+            }
+            Disposition::Retry(reason) => match message.retry(&reason).await? {
+                Retried::Requeued => {
+                    self.stats.requeued.fetch_add(1, Relaxed);
+                    Ok(())
+                }
+                Retried::RequeuedLast => {
+                    self.stats.requeued.fetch_add(1, Relaxed);
+                    crate::metrics::dead_lettered(
+                        self.consumer_type.as_str(),
+                        DeadReason::RetriesExhausted,
+                    );
+                    Ok(())
+                }
+                Retried::Exhausted(detail) => {
+                    self.dead_letter(message, DeadReason::RetriesExhausted, &detail)
+                        .await
+                }
+            },
+            Disposition::Reject(reason) => {
+                self.dead_letter(message, DeadReason::Rejected, &reason)
+                    .await
+            }
+        }
+    }
+
+    async fn dead_letter<M: Received>(
+        &self,
+        message: &M,
+        reason: DeadReason,
+        detail: &str,
+    ) -> Result<(), M::Error> {
+        tracing::warn!(
+            consumer_type = %self.consumer_type,
+            from = message.source(),
+            reason = reason.as_str(),
+            detail,
+            "dead-lettering a message"
+        );
+        message.dead_letter(reason, detail).await?;
+        self.stats.dead_lettered.fetch_add(1, Relaxed);
+        crate::metrics::dead_lettered(self.consumer_type.as_str(), reason);
+        Ok(())
+    }
+}
