@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
+use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -66,6 +67,24 @@ fn read_reply(payload: &Value) -> Option<(String, StepReply)> {
     Some((command_id, StepReply { outcome, duplicate }))
 }
 
+/// Runs `command` through `pool`, waiting up to `timeout`, and says how to settle it:
+/// done with its reply, dead-lettered when refused by the inbox, retried otherwise.
+pub(crate) async fn step_disposition(
+    pool: &StepPool,
+    command: Envelope,
+    timeout: Duration,
+) -> Disposition {
+    // The reply needs the command's id, saga and headers, not its payload.
+    let head = command.without_payload();
+    match pool.deliver(command, timeout).await {
+        Ok(reply) => Disposition::Done {
+            reply: Some(reply_envelope(&head, &reply)),
+        },
+        Err(StepFailure::Rejected(reason)) => Disposition::Reject(reason),
+        Err(failure) => Disposition::Retry(failure.to_string()),
+    }
+}
+
 /// Runs `commands` as one batch through `pool` (one transaction), waiting up to
 /// `timeout`, and settles each by its own answer: done with its reply, dead-lettered
 /// when refused by the inbox, retried otherwise; a batch that failed as a whole retries
@@ -119,6 +138,41 @@ impl Waiters {
             senders.retain(|sender| !sender.is_closed());
             if senders.is_empty() {
                 waiters.remove(id.as_str());
+            }
+        }
+    }
+
+    /// A dispatch on any broker: sends `command` with `send` (in the caller's span,
+    /// whose trace context the command carries) and waits up to `timeout` for the reply
+    /// to its id. A send that fails is retryable; no reply in time is a timeout.
+    pub(crate) async fn send_and_wait<E, F>(
+        &self,
+        mut command: Envelope,
+        timeout: Duration,
+        send: impl FnOnce(Envelope) -> F,
+    ) -> Result<StepReply, StepFailure>
+    where
+        E: std::fmt::Display,
+        F: Future<Output = Result<(), E>>,
+    {
+        // The orchestrator calls this inside its `saga.step` span: the step's span in the
+        // other process becomes that span's child.
+        trace::inject_current(&mut command.headers);
+        let id = command.id.clone();
+        let receiver = self.register(&id);
+        if let Err(error) = send(command).await {
+            drop(receiver);
+            self.forget(&id);
+            return Err(StepFailure::Retryable(error.to_string()));
+        }
+        match tokio::time::timeout(timeout, receiver).await {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(_)) => Err(StepFailure::Retryable(
+                "the reply waiter was dropped before a reply came".into(),
+            )),
+            Err(_) => {
+                self.forget(&id);
+                Err(StepFailure::Timeout(timeout))
             }
         }
     }

@@ -20,14 +20,12 @@ use super::broker::{self, Publisher, Routing};
 use super::config::{AmqpConfig, AmqpError};
 use super::consumer::{Consumer, ConsumerHandle, ConsumerOptions};
 use crate::batching::Batching;
-use crate::delivery::Disposition;
-use crate::envelope::{ConsumerType, Envelope, MessageId};
+use crate::envelope::{ConsumerType, Envelope};
 use crate::inbox::InboxGuard;
 use crate::orchestrator::Dispatch;
-use crate::reply::{REPLY_KIND, Waiters, batch_dispositions, reply_envelope, take_reply};
+use crate::reply::{REPLY_KIND, Waiters, batch_dispositions, step_disposition, take_reply};
 use crate::step::{StepFailure, StepPool, StepReply};
 use crate::store::InboxStore;
-use crate::trace;
 
 /// Consumes `<prefix>.<consumer_type of pool>` and delivers each command (of `kinds`)
 /// to `pool`, waiting up to `timeout` for its answer; replies to the sender. A step
@@ -47,17 +45,7 @@ pub async fn serve_step(
     let options = ConsumerOptions::new(pool.consumer_type().clone(), kinds);
     Consumer::spawn(config, options, move |command: Envelope| {
         let pool = Arc::clone(&pool);
-        async move {
-            // The reply needs the command's id, saga and headers, not its payload.
-            let head = command.without_payload();
-            match pool.deliver(command, timeout).await {
-                Ok(reply) => Disposition::Done {
-                    reply: Some(reply_envelope(&head, &reply)),
-                },
-                Err(StepFailure::Rejected(reason)) => Disposition::Reject(reason),
-                Err(failure) => Disposition::Retry(failure.to_string()),
-            }
-        }
+        async move { step_disposition(&pool, command, timeout).await }
     })
     .await
 }
@@ -188,54 +176,39 @@ impl AmqpDispatch {
         }
         Ok(link.publisher.clone())
     }
-
-    fn forget(&self, id: &MessageId) {
-        self.waiters.forget(id);
-    }
 }
 
 impl Dispatch for AmqpDispatch {
     async fn dispatch(
         &self,
         consumer_type: &ConsumerType,
-        mut envelope: Envelope,
+        envelope: Envelope,
         timeout: Duration,
     ) -> Result<StepReply, StepFailure> {
-        // The orchestrator calls this inside its `saga.step` span: the step's span in the
-        // other process becomes that span's child.
-        trace::inject_current(&mut envelope.headers);
-        let receiver = self.waiters.register(&envelope.id);
-        let published = match self.publisher_for(Some(consumer_type)).await {
-            Ok(publisher) => {
-                publisher
-                    .publish(
-                        &self.config.queue(consumer_type),
-                        &envelope,
-                        Some(&self.reply_queue),
-                        None,
-                        Routing::Required,
-                    )
-                    .await
-            }
-            Err(error) => Err(error),
-        };
-        if let Err(error) = published {
-            drop(receiver);
-            self.forget(&envelope.id);
-            if let Some(link) = self.link.lock().await.take() {
-                let _ = link.connection.close(200, "reconnecting".into()).await;
-            }
-            return Err(StepFailure::Retryable(error.to_string()));
-        }
-        match tokio::time::timeout(timeout, receiver).await {
-            Ok(Ok(reply)) => Ok(reply),
-            Ok(Err(_)) => Err(StepFailure::Retryable(
-                "the reply waiter was dropped before a reply came".into(),
-            )),
-            Err(_) => {
-                self.forget(&envelope.id);
-                Err(StepFailure::Timeout(timeout))
-            }
-        }
+        let queue = self.config.queue(consumer_type);
+        self.waiters
+            .send_and_wait(envelope, timeout, async |command| {
+                let published = match self.publisher_for(Some(consumer_type)).await {
+                    Ok(publisher) => {
+                        publisher
+                            .publish(
+                                &queue,
+                                &command,
+                                Some(&self.reply_queue),
+                                None,
+                                Routing::Required,
+                            )
+                            .await
+                    }
+                    Err(error) => Err(error),
+                };
+                if published.is_err()
+                    && let Some(link) = self.link.lock().await.take()
+                {
+                    let _ = link.connection.close(200, "reconnecting".into()).await;
+                }
+                published
+            })
+            .await
     }
 }

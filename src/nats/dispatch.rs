@@ -34,10 +34,9 @@ use crate::delivery::Disposition;
 use crate::envelope::{ConsumerType, Envelope};
 use crate::inbox::{InboxConfig, InboxGuard};
 use crate::orchestrator::Dispatch;
-use crate::reply::{REPLY_KIND, Waiters, batch_dispositions, reply_envelope, take_reply};
+use crate::reply::{REPLY_KIND, Waiters, batch_dispositions, step_disposition, take_reply};
 use crate::step::{StepFailure, StepPool, StepReply};
 use crate::store::InboxStore;
-use crate::trace;
 
 /// Consumes `<prefix>.<consumer_type of pool>` and delivers each command (of `kinds`)
 /// to `pool`, waiting up to `timeout` for its answer; replies to the sender. A step
@@ -70,17 +69,7 @@ pub async fn serve_step(
     }
     Consumer::spawn(config, options, move |command: Envelope| {
         let pool = Arc::clone(&pool);
-        async move {
-            // The reply needs the command's id, saga and headers, not its payload.
-            let head = command.without_payload();
-            match pool.deliver(command, timeout).await {
-                Ok(reply) => Disposition::Done {
-                    reply: Some(reply_envelope(&head, &reply)),
-                },
-                Err(StepFailure::Rejected(reason)) => Disposition::Reject(reason),
-                Err(failure) => Disposition::Retry(failure.to_string()),
-            }
-        }
+        async move { step_disposition(&pool, command, timeout).await }
     })
     .await
 }
@@ -213,27 +202,13 @@ impl Dispatch for NatsDispatch {
     async fn dispatch(
         &self,
         consumer_type: &ConsumerType,
-        mut envelope: Envelope,
+        envelope: Envelope,
         timeout: Duration,
     ) -> Result<StepReply, StepFailure> {
-        // The orchestrator calls this inside its `saga.step` span: the step's span in the
-        // other process becomes that span's child.
-        trace::inject_current(&mut envelope.headers);
-        let receiver = self.waiters.register(&envelope.id);
-        if let Err(error) = self.send(consumer_type, &envelope).await {
-            drop(receiver);
-            self.waiters.forget(&envelope.id);
-            return Err(StepFailure::Retryable(error.to_string()));
-        }
-        match tokio::time::timeout(timeout, receiver).await {
-            Ok(Ok(reply)) => Ok(reply),
-            Ok(Err(_)) => Err(StepFailure::Retryable(
-                "the reply waiter was dropped before a reply came".into(),
-            )),
-            Err(_) => {
-                self.waiters.forget(&envelope.id);
-                Err(StepFailure::Timeout(timeout))
-            }
-        }
+        self.waiters
+            .send_and_wait(envelope, timeout, async |command| {
+                self.send(consumer_type, &command).await
+            })
+            .await
     }
 }
