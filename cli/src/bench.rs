@@ -31,7 +31,10 @@
 //! and pruning measurements of [`scale`].
 
 pub(crate) mod broker;
+mod options;
 mod scale;
+
+pub(crate) use options::{BenchOptions, run_command};
 
 use std::str::FromStr;
 use std::sync::Arc;
