@@ -1,8 +1,21 @@
-//! The consumer core every broker shares: how one received message is settled
-//! ([`Settler`]), and the [`ConsumerHandle`] of a running consumer.
+//! The consumer core every broker shares: the session loop that keeps a subscription
+//! open and hands each message to its own task (`run`), how one received message is
+//! settled (`Settler`), and the [`ConsumerHandle`] of a running consumer.
+//!
+//! A broker's consumer brings its subscriptions (`Source`, `Subscription`: open,
+//! next message, health, cancel, close). The loop, the same for every broker:
+//!
+//! - opens a subscription, and opens it again after a loss, waiting by
+//!   `Source::backoff` (reset by a message received), until stopped;
+//! - looks at the subscription's health every second: the process's readiness follows
+//!   it, and a subscription found lost is replaced;
+//! - on stop, cancels the subscription, lets the messages in flight settle, then closes
+//!   it; on a loss, gives them `IN_FLIGHT_GRACE` when the broker cannot settle them
+//!   on the next subscription (`Source::SETTLES_AFTER_LOSS`), then abandons them to
+//!   the broker's redelivery.
 //!
 //! A broker's consumer brings the message and what only the broker can do with it
-//! ([`Received`]: decode, acknowledge, reply, requeue, dead-letter); the core decides
+//! (`Received`: decode, acknowledge, reply, requeue, dead-letter); the core decides
 //! which, in one place for every broker:
 //!
 //! - a message that is not an envelope, or whose deliveries are spent, is dead-lettered
@@ -23,14 +36,16 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
 
 use futures_util::FutureExt;
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 use tracing::Instrument;
 
 use crate::delivery::{ConsumerStats, DeliveryHandler, Disposition};
 use crate::envelope::{ConsumerType, Envelope, MessageId};
+use crate::health::ConsumerReadiness;
 use crate::metrics::DeadReason;
 use crate::supervisor::panic_message;
 use crate::wire::Malformed;
@@ -75,6 +90,209 @@ impl ConsumerHandle {
     /// does. Unacknowledged messages come back from the broker.
     pub fn abort(self) {
         self.task.abort();
+    }
+}
+
+/// How long messages in flight get to settle after their subscription was lost, on a
+/// broker that cannot settle them on the next one.
+pub(crate) const IN_FLIGHT_GRACE: Duration = Duration::from_secs(5);
+
+/// Where a consumer's subscriptions come from: a broker connection and what it consumes.
+pub(crate) trait Source: Send + 'static {
+    /// The messages its subscriptions yield.
+    type Message: Received + 'static;
+    /// An open subscription.
+    type Subscription: Subscription<Message = Self::Message>;
+    /// The broker's error.
+    type Error: Display + Send;
+
+    /// Whether a message received on a lost subscription can still be settled (the
+    /// client reconnects underneath and its acknowledgement goes through), so messages in
+    /// flight are kept rather than abandoned after [`IN_FLIGHT_GRACE`].
+    const SETTLES_AFTER_LOSS: bool;
+
+    /// The broker's name, for logs.
+    fn broker(&self) -> &'static str;
+
+    /// Opens a subscription (connecting first when the last connection is gone).
+    fn open(&mut self) -> impl Future<Output = Result<Self::Subscription, Self::Error>> + Send;
+
+    /// The wait before the subscription after `failures` failed or lost ones.
+    fn backoff(&self, failures: u32) -> Duration;
+}
+
+/// What came next on a subscription.
+pub(crate) enum Next<M> {
+    /// A message to settle.
+    Message(M),
+    /// A hiccup the subscription carries on after (a missed heartbeat): logged only.
+    Interrupted(String),
+    /// The subscription is gone, and why.
+    Ended(String),
+}
+
+/// What the once-a-second look at a subscription found.
+pub(crate) enum Health {
+    /// It can take messages.
+    Consuming,
+    /// Not now, but it may recover by itself (the client is reconnecting).
+    Waiting,
+    /// It will not come back, and why: open another.
+    Lost(String),
+}
+
+/// An open subscription of a [`Source`].
+pub(crate) trait Subscription: Send {
+    /// The messages it yields.
+    type Message: Send;
+
+    /// The next message, or what happened instead.
+    fn next(&mut self) -> impl Future<Output = Next<Self::Message>> + Send;
+
+    /// Whether it still takes messages.
+    fn health(&self) -> Health;
+
+    /// Stops the broker from handing it more messages (on stop).
+    fn cancel(&mut self) -> impl Future<Output = ()> + Send;
+
+    /// Closes it once what it handed out has settled (on stop).
+    fn close(self) -> impl Future<Output = ()> + Send;
+}
+
+/// Why a session ended.
+enum Ended {
+    Stopped,
+    Lost(String),
+}
+
+/// Consumes from `source` with `settler` until `stopped` turns true: the session loop
+/// of every broker's consumer (see the module's documentation).
+pub(crate) async fn run<S, H>(
+    mut source: S,
+    settler: Arc<Settler<H>>,
+    readiness: ConsumerReadiness,
+    mut stopped: watch::Receiver<bool>,
+) where
+    S: Source,
+    H: DeliveryHandler,
+{
+    let mut in_flight = JoinSet::new();
+    let mut failures = 0u32;
+    loop {
+        let lost = match source.open().await {
+            Ok(subscription) => {
+                settler.stats().sessions.fetch_add(1, Relaxed);
+                let (ended, subscription) = session(
+                    subscription,
+                    &settler,
+                    &readiness,
+                    &mut stopped,
+                    &mut in_flight,
+                    &mut failures,
+                )
+                .await;
+                readiness.set_consuming(false);
+                match ended {
+                    Ended::Stopped => {
+                        // The messages in flight finish and are acknowledged.
+                        while in_flight.join_next().await.is_some() {}
+                        subscription.close().await;
+                        return;
+                    }
+                    Ended::Lost(reason) => {
+                        if !S::SETTLES_AFTER_LOSS {
+                            abandon(&mut in_flight).await;
+                        }
+                        drop(subscription);
+                        reason
+                    }
+                }
+            }
+            Err(error) => error.to_string(),
+        };
+        let wait = source.backoff(failures);
+        failures = failures.saturating_add(1);
+        tracing::warn!(
+            consumer_type = %settler.consumer_type(),
+            broker = source.broker(),
+            reason = %lost,
+            retry_in = ?wait,
+            "consumer lost its subscription; subscribing again"
+        );
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            _ = stopped.changed() => {}
+        }
+        if *stopped.borrow() {
+            while in_flight.join_next().await.is_some() {}
+            return;
+        }
+    }
+}
+
+/// One subscription's worth of consuming: ends on stop or loss, and hands the
+/// subscription back.
+async fn session<T, H>(
+    mut subscription: T,
+    settler: &Arc<Settler<H>>,
+    readiness: &ConsumerReadiness,
+    stopped: &mut watch::Receiver<bool>,
+    in_flight: &mut JoinSet<()>,
+    failures: &mut u32,
+) -> (Ended, T)
+where
+    T: Subscription,
+    T::Message: Received + 'static,
+    H: DeliveryHandler,
+{
+    readiness.set_consuming(true);
+    // A subscription whose connection died without its stream ending would sit idle
+    // forever: its health is looked at every second too.
+    let mut health = tokio::time::interval(Duration::from_secs(1));
+    let ended = loop {
+        tokio::select! {
+            _ = health.tick() => match subscription.health() {
+                Health::Consuming => readiness.set_consuming(true),
+                Health::Waiting => readiness.set_consuming(false),
+                Health::Lost(reason) => break Ended::Lost(reason),
+            },
+            changed = stopped.changed() => {
+                if changed.is_err() || *stopped.borrow() {
+                    subscription.cancel().await;
+                    break Ended::Stopped;
+                }
+            }
+            next = subscription.next() => match next {
+                Next::Message(message) => {
+                    *failures = 0;
+                    let settler = Arc::clone(settler);
+                    in_flight.spawn(async move { settler.settle(message).await });
+                }
+                Next::Interrupted(reason) => {
+                    tracing::debug!(consumer_type = %settler.consumer_type(), reason, "subscription interrupted");
+                }
+                Next::Ended(reason) => break Ended::Lost(reason),
+            },
+            Some(_) = in_flight.join_next(), if !in_flight.is_empty() => {}
+        }
+    };
+    (ended, subscription)
+}
+
+/// The connection of the messages in flight is gone: give their work a moment to end,
+/// then abandon it rather than wait on a dead connection (the broker redelivers them,
+/// the inbox absorbs those applied).
+async fn abandon(in_flight: &mut JoinSet<()>) {
+    let drained = tokio::time::timeout(IN_FLIGHT_GRACE, async {
+        while in_flight.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            left = in_flight.len(),
+            "abandoning messages still in flight on a lost connection"
+        );
+        in_flight.shutdown().await;
     }
 }
 

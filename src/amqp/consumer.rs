@@ -26,7 +26,6 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use futures_lite::StreamExt;
@@ -36,12 +35,11 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use tokio::sync::watch;
-use tokio::task::JoinSet;
 
 use super::broker::{self, Publisher, Routing};
 use super::codec;
 use super::config::{AmqpConfig, AmqpError, QueueType};
-use crate::consumer::{Received, Retried, Settler};
+use crate::consumer::{Health, Next, Received, Retried, Settler, Source, Subscription};
 use crate::delivery::{
     ATTEMPTS_HEADER, ConsumerStats, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler,
 };
@@ -53,9 +51,6 @@ pub use crate::consumer::ConsumerHandle;
 
 /// The header in which a quorum queue counts a message's earlier deliveries.
 pub(crate) const DELIVERY_COUNT_HEADER: &str = "x-delivery-count";
-
-/// How long deliveries in flight get to end after their connection was lost.
-const IN_FLIGHT_GRACE: Duration = Duration::from_secs(5);
 
 /// Which queue a consumer reads, and how it is declared.
 #[derive(Debug, Clone)]
@@ -127,68 +122,48 @@ impl Consumer {
             handler,
             Arc::clone(&stats),
         );
-        let session = Session {
-            readiness: crate::health::global().consumer(format!("{queue} (RabbitMQ)")),
+        let readiness = crate::health::global().consumer(format!("{queue} (RabbitMQ)"));
+        let source = QueueSource {
             config: Arc::new(config),
             options,
-            settler: Arc::new(settler),
+            first: Some(first),
         };
-        let task = tokio::spawn(session.run_forever(first, stopped));
+        let task = tokio::spawn(crate::consumer::run(
+            source,
+            Arc::new(settler),
+            readiness,
+            stopped,
+        ));
         Ok(ConsumerHandle::new(stop, task, stats))
     }
 }
 
-struct Session<H> {
-    /// Consuming while a subscription is open on a live connection.
-    readiness: crate::health::ConsumerReadiness,
+/// A consumer's queue, and the connection it is read on.
+struct QueueSource {
     config: Arc<AmqpConfig>,
     options: ConsumerOptions,
-    settler: Arc<Settler<H>>,
+    /// The connection `spawn` opened, which the first subscription uses (a private queue
+    /// belongs to it); every later subscription opens its own.
+    first: Option<lapin::Connection>,
 }
 
-impl<H: DeliveryHandler> Session<H> {
-    async fn run_forever(self, first: lapin::Connection, mut stopped: watch::Receiver<bool>) {
-        let mut connection = Some(first);
-        let mut failures = 0u32;
-        loop {
-            let connected = match connection.take() {
-                Some(connection) => Ok(connection),
-                None => broker::connect(&self.config, &connection_role(&self.options)).await,
-            };
-            let result = match connected {
-                Ok(connection) => self.consume(connection, &mut stopped).await,
-                Err(error) => Err(error),
-            };
-            match result {
-                Ok(()) => return,
-                Err(error) => {
-                    let wait = self.config.backoff(failures);
-                    failures = failures.saturating_add(1);
-                    tracing::warn!(
-                        consumer_type = %self.options.consumer_type,
-                        %error,
-                        retry_in = ?wait,
-                        "RabbitMQ consumer lost its connection; reconnecting"
-                    );
-                    tokio::select! {
-                        _ = tokio::time::sleep(wait) => {}
-                        _ = stopped.changed() => return,
-                    }
-                }
-            }
-            if *stopped.borrow() {
-                return;
-            }
-        }
+impl Source for QueueSource {
+    type Message = Delivered;
+    type Subscription = QueueSubscription;
+    type Error = AmqpError;
+
+    // The deliveries of a lost connection cannot be acknowledged on another one.
+    const SETTLES_AFTER_LOSS: bool = false;
+
+    fn broker(&self) -> &'static str {
+        "RabbitMQ"
     }
 
-    /// One connection's worth of consuming. `Ok` when stopped on request.
-    async fn consume(
-        &self,
-        connection: lapin::Connection,
-        stopped: &mut watch::Receiver<bool>,
-    ) -> Result<(), AmqpError> {
-        self.settler.stats().sessions.fetch_add(1, Relaxed);
+    async fn open(&mut self) -> Result<QueueSubscription, AmqpError> {
+        let connection = match self.first.take() {
+            Some(connection) => connection,
+            None => broker::connect(&self.config, &connection_role(&self.options)).await?,
+        };
         let publisher = Publisher::open(&connection).await?;
         let queue = declare_source(publisher.channel(), &self.config, &self.options).await?;
         let channel = connection
@@ -200,7 +175,7 @@ impl<H: DeliveryHandler> Session<H> {
             .await
             .map_err(AmqpError::broker("set the prefetch"))?;
         let tag = format!("{}-{}", self.options.consumer_type, uuid::Uuid::new_v4());
-        let mut deliveries = channel
+        let deliveries = channel
             .basic_consume(
                 queue.as_str().into(),
                 tag.as_str().into(),
@@ -210,8 +185,6 @@ impl<H: DeliveryHandler> Session<H> {
             .await
             .map_err(AmqpError::broker("start consuming"))?;
         tracing::info!(%queue, prefetch = self.config.prefetch, "consuming");
-        self.readiness.set_consuming(true);
-        // What every delivery's settling needs, shared: one reference count per delivery.
         let link = Arc::new(Link {
             // A private queue is classic (exclusive): its retries republish.
             quorum: self.config.queue_type == QueueType::Quorum
@@ -221,61 +194,75 @@ impl<H: DeliveryHandler> Session<H> {
             publisher,
             queue: queue.clone(),
         });
-        let mut in_flight = JoinSet::new();
-        // A subscription whose connection died without its stream ending would sit
-        // idle forever: the connection's state is checked every second too.
-        let mut health = tokio::time::interval(Duration::from_secs(1));
-        let ended = loop {
-            tokio::select! {
-                _ = health.tick() => {
-                    if !connection.status().connected() || !channel.status().connected() {
-                        break Err(AmqpError::Config(format!(
-                            "the connection or channel consuming {queue} is no longer open"
-                        )));
-                    }
+        Ok(QueueSubscription {
+            connection,
+            channel,
+            tag,
+            queue,
+            deliveries,
+            link,
+        })
+    }
+
+    fn backoff(&self, failures: u32) -> Duration {
+        self.config.backoff(failures)
+    }
+}
+
+/// A `basic.consume` on its own connection.
+struct QueueSubscription {
+    connection: lapin::Connection,
+    channel: lapin::Channel,
+    tag: String,
+    queue: String,
+    deliveries: lapin::Consumer,
+    /// What settling its deliveries needs, shared by them.
+    link: Arc<Link>,
+}
+
+impl Subscription for QueueSubscription {
+    type Message = Delivered;
+
+    async fn next(&mut self) -> Next<Delivered> {
+        match self.deliveries.next().await {
+            Some(Ok(delivery)) => Next::Message(Delivered {
+                delivery,
+                link: Arc::clone(&self.link),
+            }),
+            Some(Err(source)) => Next::Ended(
+                AmqpError::Broker {
+                    operation: "consume",
+                    source,
                 }
-                changed = stopped.changed() => {
-                    if changed.is_err() || *stopped.borrow() {
-                        let _ = channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
-                        break Ok(());
-                    }
-                }
-                next = deliveries.next() => match next {
-                    Some(Ok(delivery)) => {
-                        let settler = Arc::clone(&self.settler);
-                        let delivered = Delivered { delivery, link: Arc::clone(&link) };
-                        in_flight.spawn(async move { settler.settle(delivered).await });
-                    }
-                    Some(Err(source)) => break Err(AmqpError::Broker { operation: "consume", source }),
-                    None => break Err(AmqpError::Config(format!(
-                        "the broker cancelled the subscription to {queue} (queue deleted?)"
-                    ))),
-                },
-                Some(_) = in_flight.join_next(), if !in_flight.is_empty() => {}
-            }
-        };
-        self.readiness.set_consuming(false);
-        if ended.is_ok() {
-            // Stopping: the deliveries in flight finish and are acked.
-            while in_flight.join_next().await.is_some() {}
+                .to_string(),
+            ),
+            None => Next::Ended(format!(
+                "the broker cancelled the subscription to {} (queue deleted?)",
+                self.queue
+            )),
+        }
+    }
+
+    fn health(&self) -> Health {
+        if self.connection.status().connected() && self.channel.status().connected() {
+            Health::Consuming
         } else {
-            // The connection is gone: the deliveries in flight cannot be acked on it (the
-            // broker redelivers them, the inbox absorbs those applied). Give their work a
-            // moment to end, then abandon it rather than wait on a dead connection before
-            // reconnecting.
-            let drained = tokio::time::timeout(IN_FLIGHT_GRACE, async {
-                while in_flight.join_next().await.is_some() {}
-            })
+            Health::Lost(format!(
+                "the connection or channel consuming {} is no longer open",
+                self.queue
+            ))
+        }
+    }
+
+    async fn cancel(&mut self) {
+        let _ = self
+            .channel
+            .basic_cancel(self.tag.as_str().into(), BasicCancelOptions::default())
             .await;
-            if drained.is_err() {
-                tracing::warn!(%queue, left = in_flight.len(), "abandoning deliveries still in flight on a lost connection");
-                in_flight.shutdown().await;
-            }
-        }
-        if ended.is_ok() {
-            let _ = connection.close(200, "stopping".into()).await;
-        }
-        ended
+    }
+
+    async fn close(self) {
+        let _ = self.connection.close(200, "stopping".into()).await;
     }
 }
 

@@ -25,7 +25,6 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use async_nats::Client;
@@ -33,12 +32,11 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{AckKind, Context, Message};
 use futures_util::StreamExt;
 use tokio::sync::watch;
-use tokio::task::JoinSet;
 
 use super::codec::{self, CORRELATION_ID_HEADER, REPLY_TO_HEADER};
 use super::config::{NatsConfig, NatsError};
 use super::jetstream::{self, RETENTION_SETTING};
-use crate::consumer::{Received, Retried, Settler};
+use crate::consumer::{Health, Next, Received, Retried, Settler, Source, Subscription};
 use crate::delivery::{ConsumerStats, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler};
 use crate::envelope::{ConsumerType, Envelope, MessageId};
 use crate::inbox::InboxConfig;
@@ -119,7 +117,7 @@ impl Consumer {
         ));
         let (stop, stopped) = watch::channel(false);
         let stats = Arc::new(ConsumerStats::default());
-        let session = Session {
+        let source = StreamSource {
             link: Arc::new(Link {
                 subject: config.subject(&options.consumer_type),
                 dead_subject: config.dead_subject(&options.consumer_type),
@@ -127,16 +125,20 @@ impl Consumer {
                 client,
                 context,
             }),
-            settler: Arc::new(Settler::new(
-                options.consumer_type,
-                options.kinds,
-                handler,
-                Arc::clone(&stats),
-            )),
             consumer,
-            readiness,
         };
-        let task = tokio::spawn(session.run(stopped));
+        let settler = Settler::new(
+            options.consumer_type,
+            options.kinds,
+            handler,
+            Arc::clone(&stats),
+        );
+        let task = tokio::spawn(crate::consumer::run(
+            source,
+            Arc::new(settler),
+            readiness,
+            stopped,
+        ));
         Ok(ConsumerHandle::new(stop, task, stats))
     }
 }
@@ -152,110 +154,82 @@ struct Link {
     dead_subject: String,
 }
 
-struct Session<H> {
+/// A consumer type's durable pull consumer, on a client that reconnects by itself.
+struct StreamSource {
     link: Arc<Link>,
-    settler: Arc<Settler<H>>,
     consumer: PullConsumer,
-    /// Consuming while the pull subscription is open and the client connected.
-    readiness: crate::health::ConsumerReadiness,
 }
 
-impl<H: DeliveryHandler> Session<H> {
-    async fn run(self, mut stopped: watch::Receiver<bool>) {
-        let mut in_flight = JoinSet::new();
-        let mut failures = 0u32;
-        'subscribe: loop {
-            self.settler.stats().sessions.fetch_add(1, Relaxed);
-            let subscribed = self
-                .consumer
-                .stream()
-                .max_messages_per_batch(usize::from(self.link.config.prefetch))
-                .expires(PULL_EXPIRY)
-                .heartbeat(PULL_EXPIRY / 2)
-                .messages()
-                .await;
-            let mut messages = match subscribed {
-                Ok(messages) => messages,
-                Err(error) => {
-                    self.readiness.set_consuming(false);
-                    failures = failures.saturating_add(1);
-                    if self.pause(&error.to_string(), failures, &mut stopped).await {
-                        break 'subscribe;
-                    }
-                    continue 'subscribe;
-                }
-            };
-            // The subscription outlives a lost connection (the client reconnects by
-            // itself), so readiness follows the client's state, looked at every second.
-            let mut health = tokio::time::interval(Duration::from_secs(1));
-            loop {
-                tokio::select! {
-                    _ = health.tick() => {
-                        let connected = self.link.client.connection_state()
-                            == async_nats::connection::State::Connected;
-                        self.readiness.set_consuming(connected);
-                    }
-                    changed = stopped.changed() => {
-                        if changed.is_err() || *stopped.borrow() {
-                            break 'subscribe;
-                        }
-                    }
-                    next = messages.next() => match next {
-                        Some(Ok(message)) => {
-                            failures = 0;
-                            let settler = Arc::clone(&self.settler);
-                            let delivered = Delivered::new(message, Arc::clone(&self.link));
-                            in_flight.spawn(async move { settler.settle(delivered).await });
-                        }
-                        // Missed heartbeats and the like while the server is away: the
-                        // subscription carries on once the client has reconnected.
-                        Some(Err(error)) => {
-                            tracing::debug!(
-                                consumer_type = %self.settler.consumer_type(),
-                                %error,
-                                "JetStream pull interrupted"
-                            );
-                        }
-                        None => {
-                            self.readiness.set_consuming(false);
-                            failures = failures.saturating_add(1);
-                            if self.pause("the pull subscription ended", failures, &mut stopped).await {
-                                break 'subscribe;
-                            }
-                            continue 'subscribe;
-                        }
-                    },
-                    Some(_) = in_flight.join_next(), if !in_flight.is_empty() => {}
-                }
-            }
-        }
-        // Stopping: the messages in flight finish, are acked, and the client flushes.
-        while in_flight.join_next().await.is_some() {}
-        let _ = self.link.client.flush().await;
+impl Source for StreamSource {
+    type Message = Delivered;
+    type Subscription = PullSubscription;
+    type Error = NatsError;
+
+    // The client reconnects underneath a subscription, and acknowledges through it.
+    const SETTLES_AFTER_LOSS: bool = true;
+
+    fn broker(&self) -> &'static str {
+        "NATS JetStream"
     }
 
-    /// Waits before subscribing again; `true` when stopped meanwhile.
-    async fn pause(
-        &self,
-        reason: &str,
-        failures: u32,
-        stopped: &mut watch::Receiver<bool>,
-    ) -> bool {
-        let wait = crate::backoff::doubling(
+    async fn open(&mut self) -> Result<PullSubscription, NatsError> {
+        let messages = self
+            .consumer
+            .stream()
+            .max_messages_per_batch(usize::from(self.link.config.prefetch))
+            .expires(PULL_EXPIRY)
+            .heartbeat(PULL_EXPIRY / 2)
+            .messages()
+            .await
+            .map_err(NatsError::broker("subscribe"))?;
+        Ok(PullSubscription {
+            messages,
+            link: Arc::clone(&self.link),
+        })
+    }
+
+    fn backoff(&self, failures: u32) -> Duration {
+        crate::backoff::doubling(
             Duration::from_millis(100),
             failures,
             Duration::from_millis(6400),
-        );
-        tracing::warn!(
-            consumer_type = %self.settler.consumer_type(),
-            reason,
-            retry_in = ?wait,
-            "JetStream consumer lost its subscription; subscribing again"
-        );
-        tokio::select! {
-            _ = tokio::time::sleep(wait) => *stopped.borrow(),
-            _ = stopped.changed() => true,
+        )
+    }
+}
+
+/// A pull subscription: batches of up to the prefetch, requested again as they drain.
+struct PullSubscription {
+    messages: async_nats::jetstream::consumer::pull::Stream,
+    link: Arc<Link>,
+}
+
+impl Subscription for PullSubscription {
+    type Message = Delivered;
+
+    async fn next(&mut self) -> Next<Delivered> {
+        match self.messages.next().await {
+            Some(Ok(message)) => Next::Message(Delivered::new(message, Arc::clone(&self.link))),
+            // Missed heartbeats and the like while the server is away: the subscription
+            // carries on once the client has reconnected.
+            Some(Err(error)) => Next::Interrupted(error.to_string()),
+            None => Next::Ended("the pull subscription ended".into()),
         }
+    }
+
+    // The subscription outlives a lost connection (the client reconnects by itself), so
+    // readiness follows the client's state.
+    fn health(&self) -> Health {
+        if self.link.client.connection_state() == async_nats::connection::State::Connected {
+            Health::Consuming
+        } else {
+            Health::Waiting
+        }
+    }
+
+    async fn cancel(&mut self) {}
+
+    async fn close(self) {
+        let _ = self.link.client.flush().await;
     }
 }
 
