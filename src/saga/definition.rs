@@ -474,6 +474,47 @@ impl SagaDefinition {
     pub fn index_of(&self, name: &str) -> Option<usize> {
         self.steps.iter().position(|step| step.name == name)
     }
+
+    /// The consumer types of the steps, each once, in order of name: the participants a
+    /// deployment of this saga needs.
+    pub fn consumer_types(&self) -> Vec<ConsumerType> {
+        let types: std::collections::BTreeSet<&ConsumerType> = self
+            .steps
+            .iter()
+            .map(StepDefinition::consumer_type)
+            .collect();
+        types.into_iter().cloned().collect()
+    }
+
+    /// The message kinds `consumer_type` takes in this saga: its steps' commands and
+    /// compensations — what its participant's step should accept
+    /// (`StepOptions::kinds`).
+    pub fn kinds_for(&self, consumer_type: &ConsumerType) -> std::collections::BTreeSet<String> {
+        self.steps_of(consumer_type)
+            .flat_map(|step| {
+                std::iter::once(step.command().to_owned())
+                    .chain(step.compensation().map(str::to_owned))
+            })
+            .collect()
+    }
+
+    /// The longest timeout of `consumer_type`'s steps: how long the orchestrator waits
+    /// for one of its commands, so how long a participant may let one run. `None` when
+    /// no step is `consumer_type`'s.
+    pub fn timeout_for(&self, consumer_type: &ConsumerType) -> Option<Duration> {
+        self.steps_of(consumer_type)
+            .map(StepDefinition::timeout)
+            .max()
+    }
+
+    fn steps_of<'a>(
+        &'a self,
+        consumer_type: &'a ConsumerType,
+    ) -> impl Iterator<Item = &'a StepDefinition> {
+        self.steps
+            .iter()
+            .filter(move |step| step.consumer_type() == consumer_type)
+    }
 }
 
 impl FromStr for SagaDefinition {
@@ -795,6 +836,47 @@ mod tests {
             multiplier: 2.0,
             jitter: 0.0,
         }
+    }
+
+    #[test]
+    fn a_definition_names_its_participants_their_kinds_and_timeouts() {
+        let saga: SagaDefinition = r#"
+            name = "trip"
+            [[steps]]
+            name = "flight"
+            consumer_type = "travel"
+            command = "book_flight"
+            compensation = "cancel_flight"
+            timeout = "5s"
+            [[steps]]
+            name = "hotel"
+            consumer_type = "travel"
+            command = "book_hotel"
+            compensation = "cancel_hotel"
+            timeout = "9s"
+            [[steps]]
+            name = "notify"
+            consumer_type = "mail"
+            command = "send_itinerary"
+            timeout = "2s"
+        "#
+        .parse()
+        .unwrap();
+        let (travel, mail) = (
+            ConsumerType::new("travel").unwrap(),
+            ConsumerType::new("mail").unwrap(),
+        );
+        assert_eq!(saga.consumer_types(), [mail.clone(), travel.clone()]);
+        assert_eq!(
+            saga.kinds_for(&travel).into_iter().collect::<Vec<_>>(),
+            ["book_flight", "book_hotel", "cancel_flight", "cancel_hotel"]
+        );
+        assert_eq!(
+            saga.kinds_for(&mail).into_iter().collect::<Vec<_>>(),
+            ["send_itinerary"]
+        );
+        assert_eq!(saga.timeout_for(&travel), Some(Duration::from_secs(9)));
+        assert_eq!(saga.timeout_for(&ConsumerType::new("bank").unwrap()), None);
     }
 
     #[test]

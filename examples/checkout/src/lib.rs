@@ -35,7 +35,7 @@ pub use runner::run;
 pub use schema::{POSTGRES_TABLES, SQLITE_TABLES};
 pub use step::CheckoutStep;
 pub use summary::{DemoSummary, Verdict};
-pub use transport::{DemoDispatch, ORCHESTRATOR, SERVE_TARGET, ServeConfig, kinds_of, serve};
+pub use transport::{DemoDispatch, ORCHESTRATOR, SERVE_TARGET, ServeConfig, serve};
 
 /// The checkout saga, as shipped in `sagas/checkout.toml`.
 pub const CHECKOUT_TOML: &str = include_str!("../../../sagas/checkout.toml");

@@ -3,7 +3,6 @@
 //! for checkout sagas) as a long-running service behind `sagabox serve`, on the
 //! library's [`Participant`] runtime and [`orchestrate`].
 
-use std::collections::BTreeSet;
 use std::future::Future;
 use std::time::Duration;
 
@@ -29,41 +28,6 @@ pub const SERVE_TARGET: &str = "sagabox::serve";
 
 /// The consumer type the orchestrator's replies are deduplicated as.
 pub const ORCHESTRATOR: &str = sagabox::amqp::ORCHESTRATOR_CONSUMER;
-
-/// The message kinds `consumer_type` takes in `definition`: its steps' commands and
-/// compensations.
-pub fn kinds_of(definition: &SagaDefinition, consumer_type: &ConsumerType) -> BTreeSet<String> {
-    definition
-        .steps()
-        .iter()
-        .filter(|step| step.consumer_type() == consumer_type)
-        .flat_map(|step| {
-            std::iter::once(step.command().to_owned()).chain(step.compensation().map(str::to_owned))
-        })
-        .collect()
-}
-
-/// The longest timeout of `consumer_type`'s steps: how long a served command may take.
-fn timeout_of(definition: &SagaDefinition, consumer_type: &ConsumerType) -> Duration {
-    definition
-        .steps()
-        .iter()
-        .filter(|step| step.consumer_type() == consumer_type)
-        .map(|step| step.timeout())
-        .max()
-        .unwrap_or(Duration::from_secs(5))
-}
-
-/// The consumer types of `definition`'s steps, each once.
-fn roles_of(definition: &SagaDefinition) -> Vec<ConsumerType> {
-    definition
-        .steps()
-        .iter()
-        .map(|step| step.consumer_type().clone())
-        .collect::<BTreeSet<_>>()
-        .into_iter()
-        .collect()
-}
 
 /// The handler of `role`, failing `fail_rate` of its runs after the write. Each role
 /// draws its failures from a seed of its own.
@@ -102,8 +66,12 @@ where
     let mut participant = Participant::new(store, transport);
     for role in roles {
         let options = StepOptions::default()
-            .kinds(kinds_of(definition, role))
-            .timeout(timeout_of(definition, role))
+            .kinds(definition.kinds_for(role))
+            .timeout(
+                definition
+                    .timeout_for(role)
+                    .unwrap_or(Duration::from_secs(5)),
+            )
             .batch(batch);
         participant =
             participant.step_with(role.as_str(), handler_of(role, fail_rate, seed)?, options);
@@ -142,7 +110,7 @@ impl DemoDispatch {
         S: InboxStore + Clone,
         CheckoutStep: StepHandler<S::Db>,
     {
-        let roles = roles_of(definition);
+        let roles = definition.consumer_types();
         let Some(transport) = transport else {
             let mut dispatch = InProcess::new();
             for role in &roles {
