@@ -94,7 +94,7 @@
 //!   answers `/healthz` and `/readyz`.
 //! - [`health`]: the process's readiness — its database answers, its consumers consume.
 //! - [`testing`]: [`FaultyDispatch`](testing::FaultyDispatch) — duplicated commands and
-//!   lost replies on demand, to test a saga's participants against them.
+//!   lost replies on demand, counted, to test a saga's participants against them.
 //! - [`logging`]: how the library's log events carry lists ([`json_list`](logging::json_list)).
 //! - [`trace`]: W3C trace context in the envelope's headers, so one saga is one trace
 //!   across processes (bridged to OpenTelemetry with feature `otel`).

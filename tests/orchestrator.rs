@@ -221,7 +221,7 @@ macro_rules! orchestrator_suite {
                 let (orchestrator, _) = Actor::spawn(
                     None,
                     Orchestrator::new(),
-                    OrchestratorArguments::new(definition, store.clone(), Arc::new(FaultyDispatch::new(dispatch, 0.5, 0.2, 11))).with_stats(Arc::default()),
+                    OrchestratorArguments::new(definition, store.clone(), Arc::new(FaultyDispatch::new(dispatch, 0.5, 0.2, 11).unwrap())).with_stats(Arc::default()),
                 )
                 .await
                 .unwrap();
@@ -279,7 +279,7 @@ macro_rules! orchestrator_suite {
                 let (orchestrator, _) = Actor::spawn(
                     None,
                     Orchestrator::new(),
-                    OrchestratorArguments::new(trip(), store.clone(), Arc::new(FaultyDispatch::new(dispatch, duplicate_rate, lost_reply_rate, seed))).with_stats(stats.clone()),
+                    OrchestratorArguments::new(trip(), store.clone(), Arc::new(FaultyDispatch::new(dispatch, duplicate_rate, lost_reply_rate, seed).unwrap())).with_stats(stats.clone()),
                 )
                 .await
                 .unwrap();

@@ -178,7 +178,7 @@ macro_rules! saga_ops_suite {
                         .unwrap();
                         dispatch = dispatch.with_pool(pool);
                     }
-                    let dispatch = FaultyDispatch::new(dispatch, faults.0, faults.1, 7);
+                    let dispatch = FaultyDispatch::new(dispatch, faults.0, faults.1, 7).unwrap();
                     let mut arguments = OrchestratorArguments::new(definition, self.store.clone(), Arc::new(dispatch));
                     if let Some(clock) = clock {
                         arguments = arguments.with_clock(Arc::new(clock));

@@ -174,12 +174,15 @@ macro_rules! backend_run {
                 OrchestratorArguments::new(
                     Arc::clone(&definition),
                     store.clone(),
-                    Arc::new(FaultyDispatch::new(
-                        FreshIds::new(Arc::clone(&dispatch), config.no_inbox),
-                        config.duplicate_rate,
-                        config.lost_reply_rate,
-                        config.seed,
-                    )),
+                    Arc::new(
+                        FaultyDispatch::new(
+                            FreshIds::new(Arc::clone(&dispatch), config.no_inbox),
+                            config.duplicate_rate,
+                            config.lost_reply_rate,
+                            config.seed,
+                        )
+                        .map_err(|error| DemoError::Config(error.to_string()))?,
+                    ),
                 )
                 .with_stats(Arc::clone(&stats))
                 .with_clock(Arc::new(clock.clone())),

@@ -15,7 +15,9 @@
 //! every command apply once, although the tables themselves would take a duplicate.
 //! A trip whose [`Trip::car_available`] is `false` is refused by the car rental for good:
 //! the saga cancels the hotel, then the flight, and never sends the itinerary.
-//! [`Faults`] wraps the orchestrator's dispatch to duplicate commands and drop replies.
+//! The tests wrap the orchestrator's dispatch in sagabox's
+//! [`FaultyDispatch`](sagabox::testing::FaultyDispatch) to duplicate commands and drop
+//! replies.
 //!
 //! A trip starts from a start message ([`Trip::start_message`]): the same message,
 //! delivered again, starts no second trip
@@ -25,14 +27,12 @@
 //!
 //! - [`flight`], [`hotel`], [`car`], [`notify`]: the participants' step handlers.
 //! - [`schema`]: their tables per database, and [`TripDb`].
-//! - [`faults`]: [`Faults`], duplicated commands and lost replies around a dispatch.
 //!
 //! The tests (`cargo test -p sagabox-trip`) run trips through the in-process
 //! orchestrator on SQLite and PostgreSQL and check every outcome by SQL.
 
 mod booking;
 pub mod car;
-pub mod faults;
 pub mod flight;
 pub mod hotel;
 pub mod notify;
@@ -47,7 +47,6 @@ use sagabox::{ConsumerType, Envelope, InboxGuard, InboxStore, KeyError, MessageI
 use serde::{Deserialize, Serialize};
 
 pub use car::Car;
-pub use faults::{FaultCounts, Faults, InvalidRate};
 pub use flight::Flight;
 pub use hotel::Hotel;
 pub use notify::Notify;

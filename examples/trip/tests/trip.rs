@@ -18,17 +18,18 @@ use sagabox::orchestrator::{
     DriveStats, InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage,
 };
 use sagabox::saga::{SagaStatus, SagaStore};
+use sagabox::testing::FaultyDispatch;
 use sagabox::{InboxConfig, InboxGuard, MessageId};
-use sagabox_trip::{Faults, Trip};
+use sagabox_trip::Trip;
 use support::Backend;
 
 /// Trips in the run with faults; every fourth has no car.
 const TRIPS: usize = 120;
 
-/// A running trip service: the four participants behind [`Faults`], an orchestrator.
+/// A running trip service: the four participants behind [`FaultyDispatch`], an orchestrator.
 struct Service<B: Backend> {
     orchestrator: ActorRef<OrchestratorMessage>,
-    faults: Arc<Faults<InProcess>>,
+    faults: Arc<FaultyDispatch<InProcess>>,
     store: B::Store,
     stats: Arc<DriveStats>,
 }
@@ -37,8 +38,9 @@ impl<B: Backend> Service<B> {
     async fn start(fx: &B, duplicate_rate: f64, lost_reply_rate: f64, seed: u64) -> Self {
         let guard = InboxGuard::new(fx.store(4).await, InboxConfig::default()).unwrap();
         let participants = sagabox_trip::participants(&guard, 3).await.unwrap();
-        let faults =
-            Arc::new(Faults::new(participants, duplicate_rate, lost_reply_rate, seed).unwrap());
+        let faults = Arc::new(
+            FaultyDispatch::new(participants, duplicate_rate, lost_reply_rate, seed).unwrap(),
+        );
         let store = fx.store(4).await;
         let stats = Arc::new(DriveStats::default());
         let (orchestrator, _) = Actor::spawn(
