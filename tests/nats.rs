@@ -6,6 +6,14 @@
 
 #![allow(clippy::unwrap_used)]
 
+// Refused rather than skipped: under `cargo test -p sagabox` the library's default features
+// leave some of these out, and a suite that silently does not run proves nothing.
+#[cfg(not(all(feature = "postgres", feature = "nats")))]
+compile_error!(
+    "tests/nats.rs needs the features postgres and nats: run `cargo test` at the workspace's root, \
+     or `cargo test -p sagabox --all-features`"
+);
+
 mod common;
 #[path = "common/jetstream.rs"]
 #[allow(dead_code, unreachable_pub)]
