@@ -660,6 +660,9 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                         (Direction::Forward, StepOutcome::Done(result)) => {
                             record_result(&mut saga.data, step.name(), result);
                             saga.current_step += 1;
+                            // A transient failure of an earlier attempt no longer holds
+                            // the saga up; the history keeps every attempt.
+                            saga.last_error = None;
                         }
                         (Direction::Forward, StepOutcome::Refused(reason)) => {
                             // Refused for good: nothing applied here; undo the ones before.

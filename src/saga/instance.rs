@@ -200,7 +200,9 @@ pub struct SagaInstance {
     pub created_at: DateTime<Utc>,
     /// When it last changed.
     pub updated_at: DateTime<Utc>,
-    /// The last failure, for people.
+    /// The failure that holds the saga up, or that made it compensate, for people. A
+    /// forward step that completes clears it (its failed attempts stay in the history);
+    /// a compensating, parked or cancelled saga keeps its cause.
     pub last_error: Option<String>,
     /// How many saves this copy has seen; a save from an older copy is refused.
     pub version: i64,

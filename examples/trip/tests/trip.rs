@@ -330,6 +330,27 @@ async fn many_trips_under_faults<B: Backend>(seed: u64) {
         compensated
     );
     check_invariants(&fx).await;
+    // Lost replies made steps time out before they completed: a completed trip keeps no
+    // error of those retries (the history does).
+    assert_eq!(
+        fx.scalar(
+            "SELECT COUNT(*) FROM sagabox_saga_instances \
+             WHERE status = 'completed' AND last_error IS NOT NULL"
+                .to_owned()
+        )
+        .await,
+        0,
+        "a completed trip shows no past retry as its error"
+    );
+    assert!(
+        fx.scalar(
+            "SELECT COUNT(*) FROM sagabox_saga_events WHERE kind IN ('failed', 'timed_out')"
+                .to_owned()
+        )
+        .await
+            > 0,
+        "some attempts failed and were retried"
+    );
 
     // The inbox: one row per distinct command, and every other delivery absorbed and
     // counted on it.
