@@ -39,7 +39,6 @@ pub mod notify;
 pub mod schema;
 
 use sagabox::Participant;
-use sagabox::amqp::AmqpConfig;
 use sagabox::orchestrator::InProcess;
 use sagabox::saga::{DefinitionError, SagaDefinition};
 use sagabox::step::{StepError, StepPool, StepPoolConfig};
@@ -166,15 +165,17 @@ where
         .fold(InProcess::new(), InProcess::with_pool))
 }
 
-/// The four participants on the [`Participant`] runtime, behind the broker of `amqp`:
+/// The four participants on the [`Participant`] runtime, behind `broker` (an
+/// [`AmqpConfig`](sagabox::amqp::AmqpConfig), a NATS config or a
+/// [`Transport`](sagabox::transport::Transport)):
 /// each consumes `<prefix>.<consumer_type>` (flight, hotel, car, notify) through the
 /// inbox of `store`. Add the relay, the pruner or the metrics endpoint before starting it.
-pub fn participant<S>(store: S, amqp: AmqpConfig) -> Participant<S>
+pub fn participant<S>(store: S, broker: impl Into<sagabox::transport::Transport>) -> Participant<S>
 where
     S: InboxStore + Clone,
     S::Db: TripDb,
 {
-    Participant::new(store, amqp)
+    Participant::new(store, broker)
         .step(flight::CONSUMER, Flight)
         .step(hotel::CONSUMER, Hotel)
         .step(car::CONSUMER, Car)
