@@ -501,6 +501,74 @@ async fn a_worker_that_panics_is_replaced_and_the_next_command_is_served() {
     assert_eq!(rabbit.ready(&rabbit.queue("ledger")).await, 0);
 }
 
+/// A command whose id dates from before the inbox's window (its UUIDv7 time 60 days
+/// ago, past the 30-day TTL) may have been applied already with its row pruned: the
+/// guard refuses it without running the handler, and the participant dead-letters it as
+/// `rejected`, the refusal in its detail. The next command is served as usual.
+#[tokio::test]
+async fn a_command_older_than_the_inbox_window_is_dead_lettered_as_rejected() {
+    let (pg, rabbit) = (Pg::new().await, Rabbit::new(&["ledger"]).await);
+    pg.exec(TABLES).await;
+    let ledger = Ledger::default();
+    let started = Arc::clone(&ledger.started);
+    let handle = Participant::new(pg.store(4).await, rabbit.config.clone())
+        .step("ledger", ledger)
+        .start()
+        .await
+        .unwrap();
+    let old = Envelope::new(
+        MessageId::derive_v7(Utc::now() - chrono::Duration::days(60), "old credit"),
+        "credit",
+        json!({"account": "gus", "cents": 100}),
+    )
+    .unwrap();
+    send(&rabbit, "ledger", &old, None).await;
+    send(&rabbit, "ledger", &credit("hana", 200), None).await;
+    let dead = rabbit.dead_queue("ledger");
+    rabbit.wait_ready(&dead, 1).await;
+    common::wait_for("the fresh command acked", async || {
+        handle.report().step("ledger").unwrap().acked == 1
+    })
+    .await;
+    let report = handle.stop().await.expect("no actor died");
+
+    let letters = rabbit.drain(&dead).await;
+    assert_eq!(letters.len(), 1);
+    let headers = letters[0]
+        .delivery
+        .properties
+        .headers()
+        .clone()
+        .unwrap_or_default();
+    let header = |name: &str| match headers.inner().get(name) {
+        Some(lapin::types::AMQPValue::LongString(text)) => text.to_string(),
+        other => panic!("{name}: {other:?}"),
+    };
+    assert_eq!(header(sagabox::amqp::DEAD_REASON_HEADER), "rejected");
+    assert!(
+        header(sagabox::amqp::DEAD_DETAIL_HEADER).contains("before the deduplication window"),
+        "{}",
+        header(sagabox::amqp::DEAD_DETAIL_HEADER)
+    );
+    assert_eq!(
+        letters[0]
+            .delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|id| id.to_string()),
+        Some(old.id.to_string())
+    );
+    assert_eq!(
+        started.load(SeqCst),
+        1,
+        "the handler never ran for the old one"
+    );
+    assert_eq!(pg.scalar("SELECT COUNT(*) FROM ledger_entries").await, 1);
+    let ledger = report.step("ledger").unwrap();
+    assert_eq!((ledger.acked, ledger.dead_lettered), (1, 1));
+}
+
 /// Three instances of a service on one PostgreSQL database, each with a pruner every
 /// 50 ms, on a shared manual clock. When a month expires, exactly one instance drops
 /// it; the others skip while it holds the maintenance lock; no pass fails.
