@@ -234,7 +234,8 @@ impl CompensationTrigger {
         CompensationTrigger::Deadline,
     ];
 
-    const fn as_str(self) -> &'static str {
+    /// The label value, also the detail of the history's `compensating` event.
+    pub(crate) const fn as_str(self) -> &'static str {
         match self {
             CompensationTrigger::Refused => "refused",
             CompensationTrigger::Exhausted => "exhausted",

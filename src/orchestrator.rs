@@ -670,7 +670,7 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                             saga.status = SagaStatus::Compensating;
                             saga.current_step -= 1;
                             saga.last_error = Some(format!("{} refused: {reason}", step.name()));
-                            events.push(SagaEvent::new(EventKind::Compensating, at));
+                            events.push(compensating(CompensationTrigger::Refused, at));
                         }
                         (Direction::Backward, StepOutcome::Refused(reason)) => {
                             // Not undone: park the saga for an operator rather than call
@@ -705,7 +705,7 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                         metrics::saga_compensation(name, trigger);
                         saga.status = SagaStatus::Compensating;
                         saga.attempts = 0;
-                        events.push(SagaEvent::new(EventKind::Compensating, at));
+                        events.push(compensating(trigger, at));
                         if !self.save(&mut saga, position, events).await {
                             return;
                         }
@@ -804,7 +804,7 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
         self.save(
             saga,
             position,
-            vec![passed, SagaEvent::new(EventKind::Compensating, now)],
+            vec![passed, compensating(CompensationTrigger::Deadline, now)],
         )
         .await
     }
@@ -888,6 +888,11 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
             }
         }
     }
+}
+
+/// The history's event of a saga turning to compensate, its trigger as the detail.
+fn compensating(trigger: CompensationTrigger, at: chrono::DateTime<chrono::Utc>) -> SagaEvent {
+    SagaEvent::new(EventKind::Compensating, at).detail(trigger.as_str())
 }
 
 fn record_result(data: &mut Value, step: &str, result: Value) {

@@ -102,6 +102,41 @@ initial_backoff = "1ms"
 max_backoff = "20ms"
 "#;
 
+/// Three steps; the car's desk never answers, and the car has three attempts with a
+/// backoff of 40 ms, then 80 ms (no jitter) before the saga gives up on it. A step that
+/// ran out of attempts may have applied with its answer lost, so it has a compensation
+/// too, and is undone first.
+const RETRIED: &str = r#"
+name = "retried"
+
+[[steps]]
+name = "flight"
+consumer_type = "flight"
+command = "book_flight"
+compensation = "cancel_flight"
+timeout = "5s"
+
+[[steps]]
+name = "hotel"
+consumer_type = "hotel"
+command = "book_hotel"
+compensation = "cancel_hotel"
+timeout = "5s"
+
+[[steps]]
+name = "car"
+consumer_type = "car"
+command = "rent_car"
+compensation = "return_car"
+timeout = "5s"
+[steps.retry]
+max_attempts = 3
+initial_backoff = "40ms"
+multiplier = 2.0
+max_backoff = "1s"
+jitter = 0.0
+"#;
+
 /// What each step applied, in the order the handlers ran (`seq` from one counter).
 const JOURNAL_DDL: &str =
     "CREATE TABLE journal (seq BIGINT NOT NULL, saga_id TEXT NOT NULL, kind TEXT NOT NULL)";
@@ -198,6 +233,101 @@ macro_rules! orchestrator_suite {
                         .map_err(|e| StepError::Retryable(e.to_string()))?;
                     Ok(Value::Null)
                 }
+            }
+
+            /// Journals like [`Journal`], but the car's desk fails every attempt with a
+            /// retryable error.
+            #[derive(Debug, Clone)]
+            struct Unanswered(Arc<AtomicU64>);
+
+            impl StepHandler<$db> for Unanswered {
+                async fn handle(
+                    &self,
+                    conn: &mut <$db as sqlx::Database>::Connection,
+                    envelope: &Envelope,
+                ) -> Result<Value, StepError> {
+                    if envelope.kind == "rent_car" {
+                        return Err(StepError::Retryable("the rental desk does not answer".into()));
+                    }
+                    Journal(Arc::clone(&self.0)).handle(conn, envelope).await
+                }
+            }
+
+            /// A step that fails on every attempt is sent `max_attempts` times, each
+            /// attempt recorded in the history and each retry after its backoff; then
+            /// the saga compensates (`exhausted`): the car, then the hotel, then the flight.
+            #[tokio::test]
+            async fn a_step_out_of_attempts_is_retried_with_its_backoff_then_compensated() {
+                let fx = <$fixture>::new().await;
+                fx.exec(JOURNAL_DDL).await;
+                let definition = Arc::new(SagaDefinition::from_toml_str(RETRIED).unwrap());
+                let seq = Arc::new(AtomicU64::new(0));
+                let mut dispatch = InProcess::new();
+                for step in definition.steps() {
+                    let guard = InboxGuard::new(fx.store(2).await, InboxConfig::default()).unwrap();
+                    let pool = StepPool::spawn(guard, step.consumer_type().clone(), Unanswered(seq.clone()), StepPoolConfig { workers: 1 })
+                        .await
+                        .unwrap();
+                    dispatch = dispatch.with_pool(pool);
+                }
+                let store = fx.store(4).await;
+                let (orchestrator, _) = Actor::spawn(
+                    None,
+                    Orchestrator::new(),
+                    OrchestratorArguments::new(definition, store.clone(), Arc::new(dispatch)),
+                )
+                .await
+                .unwrap();
+                let saga = SagaInstance::new("r-1", "retried", json!({}), Utc::now());
+                let mut conn = store.pool().acquire().await.unwrap();
+                store.insert(&mut conn, &saga).await.unwrap();
+                drop(conn);
+                orchestrator.send_message(OrchestratorMessage::Drive(saga.id)).unwrap();
+                wait_idle(&orchestrator).await;
+                orchestrator.stop(None);
+
+                let saga = store.load("r-1").await.unwrap().unwrap();
+                assert_eq!(saga.status.as_str(), "compensated");
+                let history: Vec<SagaEvent> =
+                    store.history("r-1").await.unwrap().into_iter().map(|entry| entry.event).collect();
+                let car = |kind: EventKind| -> Vec<&SagaEvent> {
+                    history
+                        .iter()
+                        .filter(|event| {
+                            event.kind == kind
+                                && event.step.as_deref() == Some("car")
+                                && event.direction == Some(Direction::Forward)
+                        })
+                        .collect()
+                };
+                let (sent, failed) = (car(EventKind::Sent), car(EventKind::Failed));
+                let attempts = |events: &[&SagaEvent]| -> Vec<Option<i32>> {
+                    events.iter().map(|event| event.attempt).collect()
+                };
+                assert_eq!(attempts(&sent), [Some(1), Some(2), Some(3)], "{history:#?}");
+                assert_eq!(attempts(&failed), [Some(1), Some(2), Some(3)], "{history:#?}");
+                for (retry, wait_ms) in [(0, 40), (1, 80)] {
+                    let waited = sent[retry + 1].at - failed[retry].at;
+                    assert!(
+                        waited >= chrono::Duration::milliseconds(wait_ms),
+                        "attempt {} sent {waited} after attempt {} failed: less than its {wait_ms} ms backoff",
+                        retry + 2,
+                        retry + 1
+                    );
+                }
+                let turned: Vec<&SagaEvent> =
+                    history.iter().filter(|event| event.kind == EventKind::Compensating).collect();
+                assert_eq!(turned.len(), 1, "{history:#?}");
+                assert_eq!(turned[0].detail.as_deref(), Some("exhausted"));
+                assert!(turned[0].at >= failed[2].at, "it compensates after the last attempt");
+                let kinds: Vec<String> = sqlx::query_scalar("SELECT kind FROM journal ORDER BY seq")
+                    .fetch_all(&fx.pool)
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    kinds,
+                    ["book_flight", "book_hotel", "return_car", "cancel_hotel", "cancel_flight"]
+                );
             }
 
             /// A saga refused at its third step undoes the second step before the first,
