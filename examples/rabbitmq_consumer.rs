@@ -17,9 +17,11 @@ use std::time::{Duration, Instant};
 
 use lapin::BasicProperties;
 use lapin::options::{BasicGetOptions, QueueDeleteOptions};
-use sagabox::amqp::{AmqpConfig, DEAD_REASON_HEADER, RelayConfig, codec};
+use sagabox::amqp::{AmqpConfig, codec};
+use sagabox::delivery::DEAD_REASON_HEADER;
 use sagabox::outbox::OutboxWriter;
 use sagabox::participant::StepOptions;
+use sagabox::relay::RelayConfig;
 use sagabox::step::{StepError, StepHandler};
 use sagabox::{ConsumerType, Envelope, MessageId, Participant, SqliteStore};
 use serde_json::{Value, json};

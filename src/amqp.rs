@@ -3,13 +3,15 @@
 //! - [`Consumer`]: consume a queue, run each message through a handler (typically the
 //!   [`InboxGuard`](crate::InboxGuard)), ack only after it committed; dead-letter bad
 //!   input with a reason header; requeue retryable failures a bounded number of times.
-//! - [`Relay`]: publish the transactional outbox with publisher confirms, in order per
-//!   aggregate, marking rows sent only after the confirm.
+//! - The outbox [`Relay`](crate::relay::Relay) publishes here with publisher confirms,
+//!   in order per aggregate, marking rows sent only after the confirm.
 //! - [`serve_step`] and [`AmqpDispatch`]: saga steps and their orchestrator in separate
 //!   processes, talking through queues.
-//! - [`orchestrate`]: the orchestrator as a service — any saga definitions, started by
-//!   start messages on `<prefix>.<saga>.start`, resumed after a crash.
-//! - [`Batching`] and [`serve_step_batched`]: the deliveries a consumer holds at once,
+//! - [`orchestrate`](crate::orchestrate::orchestrate) runs the orchestrator as a service
+//!   on this transport — any saga definitions, started by start messages on
+//!   `<prefix>.<saga>.start`, resumed after a crash.
+//! - [`Batching`](crate::batching::Batching) and [`serve_step_batched`]: the deliveries
+//!   a consumer holds at once,
 //!   claimed as one batch ([`InboxGuard::process_batch`](crate::InboxGuard::process_batch)).
 //! - [`DeadLetterQueue`]: an operator's view of `<queue>.dead` — list the dead letters
 //!   without taking them, replay them to their source queue under their own message id.
@@ -31,22 +33,9 @@ mod dispatch;
 mod dlq;
 mod management;
 
-pub use crate::batching::Batching;
-pub use crate::delivery::{
-    ATTEMPTS_HEADER, ConsumerStats, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler,
-    Disposition,
-};
-pub use crate::orchestrate::{
-    ORCHESTRATOR_CONSUMER, OrchestrateConfig, OrchestrateError, STARTED_KIND, orchestrate,
-    start_queue,
-};
-pub use crate::relay::{
-    OutboxSource, Relay, RelayArguments, RelayConfig, RelayError, RelayMessage, RelayState,
-};
-pub use crate::reply::{REPLY_KIND, reply_envelope};
 pub use broker::{Publisher, Routing, connect, declare};
 pub use config::{AmqpConfig, AmqpError, QueueType};
-pub use consumer::{Consumer, ConsumerHandle, ConsumerOptions};
+pub use consumer::{Consumer, ConsumerOptions};
 pub use dispatch::{AmqpDispatch, serve_step, serve_step_batched};
 pub use dlq::{
     DEAD_SUFFIX, DeadLetter, DeadLetterList, DeadLetterQueue, DlqError, REPLAYED_HEADER,

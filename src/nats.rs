@@ -22,7 +22,7 @@ mod dispatch;
 mod jetstream;
 
 pub use config::{NatsConfig, NatsError};
-pub use consumer::{Consumer, ConsumerHandle, ConsumerOptions};
+pub use consumer::{Consumer, ConsumerOptions};
 pub use dispatch::{NatsDispatch, serve_step};
 pub use jetstream::{
     RETENTION_SETTING, connect, declare, durable_consumer, measured_retention, prefixed_streams,

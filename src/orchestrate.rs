@@ -30,6 +30,7 @@ use std::time::Duration;
 use ractor::ActorRef;
 use serde_json::json;
 
+use crate::consumer::ConsumerHandle;
 use crate::delivery::Disposition;
 use crate::envelope::{ConsumerType, Envelope, KeyError};
 use crate::inbox::{InboxConfig, InboxError, InboxGuard};
@@ -39,7 +40,7 @@ use crate::saga::versions::RegisterError;
 use crate::saga::{SagaDefinition, SagaStore, StartError, history_pass};
 use crate::store::InboxStore;
 use crate::supervisor::{ActorDied, Supervision};
-use crate::transport::{self, ConsumerHandle, Dispatcher, Transport, TransportError};
+use crate::transport::{self, Dispatcher, Transport, TransportError};
 
 /// The kind of the answer to a start message.
 pub const STARTED_KIND: &str = "saga_started";

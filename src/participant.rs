@@ -28,7 +28,8 @@
 //! [`ParticipantError::ActorDied`] naming it, after the same orderly stop: never a hang.
 //!
 //! ```no_run
-//! use sagabox::amqp::{AmqpConfig, RelayConfig};
+//! use sagabox::amqp::AmqpConfig;
+//! use sagabox::relay::RelayConfig;
 //! use sagabox::participant::PrunerSettings;
 //! use sagabox::step::{StepError, StepHandler};
 //! use sagabox::{Envelope, Participant, PostgresStore};

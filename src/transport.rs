@@ -23,7 +23,7 @@ use crate::orchestrator::Dispatch;
 use crate::step::{StepFailure, StepPool, StepReply};
 use crate::store::InboxStore;
 
-pub use crate::consumer::ConsumerHandle;
+use crate::consumer::ConsumerHandle;
 pub use sender::{Sender, Sent};
 
 /// A broker and how to use it.

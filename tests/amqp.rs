@@ -17,12 +17,14 @@ use common::rabbit::Rabbit;
 use lapin::BasicProperties;
 use ractor::Actor;
 use sagabox::amqp::{
-    AmqpDispatch, AmqpError, Consumer, ConsumerHandle, ConsumerOptions, DEAD_REASON_HEADER,
-    DeadLetterQueue, Disposition, QueueType, Relay, RelayArguments, RelayConfig, RelayMessage,
-    codec, serve_step,
+    AmqpDispatch, AmqpError, Consumer, ConsumerOptions, DeadLetterQueue, QueueType, codec,
+    serve_step,
 };
+use sagabox::consumer::ConsumerHandle;
+use sagabox::delivery::{DEAD_REASON_HEADER, Disposition};
 use sagabox::orchestrator::Dispatch;
 use sagabox::outbox::OutboxWriter;
+use sagabox::relay::{Relay, RelayArguments, RelayConfig, RelayMessage};
 use sagabox::retention::RetentionError;
 use sagabox::step::{StepError, StepHandler, StepOutcome, StepPool, StepPoolConfig};
 use sagabox::{
@@ -801,7 +803,7 @@ async fn a_batching_consumer_claims_what_it_holds_in_batches_and_applies_each_me
             Arc::clone(&duplicates),
             payment.clone(),
         );
-        sagabox::amqp::Batching::new(
+        sagabox::batching::Batching::new(
             50,
             Duration::from_millis(5),
             move |envelopes: Vec<Envelope>| {

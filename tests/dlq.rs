@@ -17,10 +17,11 @@ use common::rabbit::Rabbit;
 use lapin::BasicProperties;
 use lapin::types::AMQPValue;
 use sagabox::amqp::{
-    ATTEMPTS_HEADER, AmqpConfig, AmqpError, Consumer, ConsumerHandle, ConsumerOptions,
-    DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeadLetter, DeadLetterQueue, Disposition, DlqError,
+    AmqpConfig, AmqpError, Consumer, ConsumerOptions, DeadLetter, DeadLetterQueue, DlqError,
     REPLAYED_HEADER, ReplayOptions, codec,
 };
+use sagabox::consumer::ConsumerHandle;
+use sagabox::delivery::{ATTEMPTS_HEADER, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, Disposition};
 use sagabox::metrics::DeadReason;
 use sagabox::{ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId, Outcome, PostgresStore};
 use serde_json::json;

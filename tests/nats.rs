@@ -28,10 +28,9 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::stream::{self, RetentionPolicy};
 use common::Pg;
 use jetstream::{Js, OwnServer};
+use sagabox::consumer::ConsumerHandle;
 use sagabox::delivery::{DEAD_REASON_HEADER, Disposition};
-use sagabox::nats::{
-    Consumer, ConsumerHandle, ConsumerOptions, NatsDispatch, NatsError, codec, serve_step,
-};
+use sagabox::nats::{Consumer, ConsumerOptions, NatsDispatch, NatsError, codec, serve_step};
 use sagabox::orchestrator::Dispatch;
 use sagabox::outbox::OutboxWriter;
 use sagabox::relay::{Relay, RelayArguments, RelayConfig, RelayMessage};

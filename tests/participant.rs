@@ -18,11 +18,11 @@ use chrono::{TimeZone, Utc};
 use common::rabbit::Rabbit;
 use common::{Lite, Pg};
 use ractor::Actor;
-use sagabox::amqp::{
-    AmqpConfig, OutboxSource, REPLY_KIND, Relay, RelayArguments, RelayConfig, RelayMessage, codec,
-};
+use sagabox::amqp::{AmqpConfig, codec};
 use sagabox::outbox::OutboxWriter;
 use sagabox::participant::{PrunerSettings, StepOptions};
+use sagabox::relay::{OutboxSource, Relay, RelayArguments, RelayConfig, RelayMessage};
+use sagabox::reply::REPLY_KIND;
 use sagabox::step::{StepError, StepFailure, StepHandler, StepPool, StepPoolConfig};
 use sagabox::supervisor::Supervision;
 use sagabox::{
@@ -544,11 +544,11 @@ async fn a_command_older_than_the_inbox_window_is_dead_lettered_as_rejected() {
         Some(lapin::types::AMQPValue::LongString(text)) => text.to_string(),
         other => panic!("{name}: {other:?}"),
     };
-    assert_eq!(header(sagabox::amqp::DEAD_REASON_HEADER), "rejected");
+    assert_eq!(header(sagabox::delivery::DEAD_REASON_HEADER), "rejected");
     assert!(
-        header(sagabox::amqp::DEAD_DETAIL_HEADER).contains("before the deduplication window"),
+        header(sagabox::delivery::DEAD_DETAIL_HEADER).contains("before the deduplication window"),
         "{}",
-        header(sagabox::amqp::DEAD_DETAIL_HEADER)
+        header(sagabox::delivery::DEAD_DETAIL_HEADER)
     );
     assert_eq!(
         letters[0]

@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 use common::rabbit::Rabbit;
 use lapin::BasicProperties;
 use lapin::types::AMQPValue;
-use sagabox::amqp::{DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, REPLAYED_HEADER, codec};
+use sagabox::amqp::{REPLAYED_HEADER, codec};
+use sagabox::delivery::{DEAD_DETAIL_HEADER, DEAD_REASON_HEADER};
 use sagabox::{Envelope, MessageId};
 use serde_json::{Value, json};
 

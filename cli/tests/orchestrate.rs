@@ -20,7 +20,8 @@ use lapin::BasicProperties;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use sagabox::MessageId;
-use sagabox::amqp::{STARTED_KIND, codec, start_queue};
+use sagabox::amqp::codec;
+use sagabox::orchestrate::{STARTED_KIND, start_queue};
 use sagabox_trip::Trip;
 
 const BOUND: Duration = Duration::from_secs(60);

@@ -47,7 +47,7 @@ use crate::envelope::{ConsumerType, Envelope, MessageId};
 use crate::metrics::DeadReason;
 use crate::wire::Malformed;
 
-pub use crate::consumer::ConsumerHandle;
+use crate::consumer::ConsumerHandle;
 
 /// The header in which a quorum queue counts a message's earlier deliveries.
 pub(crate) const DELIVERY_COUNT_HEADER: &str = "x-delivery-count";

@@ -18,8 +18,9 @@ use std::time::Duration;
 
 use super::broker::{self, Publisher, Routing};
 use super::config::{AmqpConfig, AmqpError};
-use super::consumer::{Consumer, ConsumerHandle, ConsumerOptions};
+use super::consumer::{Consumer, ConsumerOptions};
 use crate::batching::Batching;
+use crate::consumer::ConsumerHandle;
 use crate::envelope::{ConsumerType, Envelope};
 use crate::inbox::InboxGuard;
 use crate::orchestrator::Dispatch;

@@ -44,7 +44,7 @@ use crate::metrics::DeadReason;
 use crate::retention;
 use crate::wire::Malformed;
 
-pub use crate::consumer::ConsumerHandle;
+use crate::consumer::ConsumerHandle;
 
 /// How long a pull request waits on the server; the client sends a new one after.
 const PULL_EXPIRY: Duration = Duration::from_secs(5);

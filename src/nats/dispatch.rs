@@ -27,9 +27,10 @@ use tokio::task::JoinHandle;
 
 use super::codec::{self, MESSAGE_ID_HEADER, REPLY_TO_HEADER};
 use super::config::{NatsConfig, NatsError};
-use super::consumer::{Consumer, ConsumerHandle, ConsumerOptions};
+use super::consumer::{Consumer, ConsumerOptions};
 use super::jetstream;
 use crate::batching::Batching;
+use crate::consumer::ConsumerHandle;
 use crate::delivery::Disposition;
 use crate::envelope::{ConsumerType, Envelope};
 use crate::inbox::{InboxConfig, InboxGuard};

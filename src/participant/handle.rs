@@ -10,12 +10,12 @@ use ractor::{ActorCell, ActorRef};
 
 use super::report::{ParticipantReport, PrunerReport, StepReport};
 use super::{PRUNER, ParticipantError, RELAY};
+use crate::consumer::ConsumerHandle;
 use crate::delivery::ConsumerStats;
 use crate::envelope::ConsumerType;
 use crate::pruner::PrunerMessage;
 use crate::relay::RelayMessage;
 use crate::supervisor::Supervision;
-use crate::transport::ConsumerHandle;
 
 /// How often the consumers' tasks are checked for an unexpected end.
 const CONSUMER_CHECK: Duration = Duration::from_secs(1);

@@ -27,7 +27,7 @@ use crate::{CheckoutStep, DemoError, FailAfterWrite};
 pub const SERVE_TARGET: &str = "sagabox::serve";
 
 /// The consumer type the orchestrator's replies are deduplicated as.
-pub const ORCHESTRATOR: &str = sagabox::amqp::ORCHESTRATOR_CONSUMER;
+pub const ORCHESTRATOR: &str = sagabox::orchestrate::ORCHESTRATOR_CONSUMER;
 
 /// The handler of `role`, failing `fail_rate` of its runs after the write. Each role
 /// draws its failures from a seed of its own.
