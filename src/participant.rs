@@ -507,6 +507,13 @@ impl<S: InboxStore + Clone> Participant<S> {
         if self.migrate {
             guard.migrate().await?;
         }
+        // The broker before any actor: one out of reach fails the start with nothing to
+        // stop (actors stopped right before the process exits race the runtime's shutdown).
+        let transport = self.transport.with_retention_of(&inbox);
+        crate::transport::Sender::connect(&transport, "participant start")
+            .await?
+            .close()
+            .await;
         let supervision = Supervision::start()
             .await
             .map_err(|source| ParticipantError::Spawn {
@@ -519,7 +526,7 @@ impl<S: InboxStore + Clone> Participant<S> {
             &mut handle,
             guard,
             self.store,
-            self.transport.with_retention_of(&inbox),
+            transport,
             self.steps,
             checked,
             self.relay,
