@@ -194,7 +194,8 @@ where
                 "orchestrating"
             );
             let resume = resume_forever(&running.actors, config.resume_interval);
-            let prune = prune_history_forever(&store, config.history_retention);
+            let prune =
+                prune_history_forever(&store, config.history_retention, inbox.partitions_ahead);
             tokio::select! {
                 () = shutdown => Ok(()),
                 () = resume => Ok(()),
@@ -361,15 +362,21 @@ async fn resume_forever(actors: &[ActorRef<OrchestratorMessage>], interval: Dura
 
 /// How often the saga history is pruned.
 const HISTORY_PRUNE_INTERVAL: Duration = Duration::from_secs(3600);
+/// How soon the history pass tries again when the maintenance lock is held.
+const LOCK_HELD_RETRY: Duration = Duration::from_secs(2);
 
-/// Prunes the saga history at start and every [`HISTORY_PRUNE_INTERVAL`], under the
-/// database's maintenance lock so that one process at a time does it; never returns.
+/// Prunes the saga history at start and every [`HISTORY_PRUNE_INTERVAL`] (creating its
+/// partitions `months_ahead`), under the database's maintenance lock so that one process
+/// at a time does it, waiting [`LOCK_HELD_RETRY`] when another holds it; never returns.
 /// Without a retention, waits forever.
-async fn prune_history_forever<S: InboxStore + SagaStore>(store: &S, retention: Option<Duration>) {
+async fn prune_history_forever<S: InboxStore + SagaStore>(
+    store: &S,
+    retention: Option<Duration>,
+    months_ahead: u32,
+) {
     let Some(retention) = retention else {
         return std::future::pending().await;
     };
-    let months_ahead = InboxConfig::default().partitions_ahead;
     loop {
         match store.try_maintenance_lock().await {
             Ok(Some(lock)) => {
@@ -388,7 +395,16 @@ async fn prune_history_forever<S: InboxStore + SagaStore>(store: &S, retention: 
                     }
                 }
             }
-            Ok(None) => tracing::debug!("another instance holds the maintenance lock"),
+            Ok(None) => {
+                // Held by a pass of the inbox's pruner (this process's, at start) or of
+                // another instance: it ends in moments, so try again soon rather than
+                // skip the hour.
+                tracing::debug!(
+                    "the maintenance lock is held; pruning the saga history a little later"
+                );
+                tokio::time::sleep(LOCK_HELD_RETRY).await;
+                continue;
+            }
             Err(error) => {
                 tracing::warn!(%error, "cannot take the maintenance lock to prune the saga history")
             }
