@@ -126,6 +126,7 @@ pub(crate) enum Next<M> {
     /// A message to settle.
     Message(M),
     /// A hiccup the subscription carries on after (a missed heartbeat): logged only.
+    #[cfg_attr(not(feature = "nats"), allow(dead_code))] // JetStream's only
     Interrupted(String),
     /// The subscription is gone, and why.
     Ended(String),
@@ -136,8 +137,10 @@ pub(crate) enum Health {
     /// It can take messages.
     Consuming,
     /// Not now, but it may recover by itself (the client is reconnecting).
+    #[cfg_attr(not(feature = "nats"), allow(dead_code))] // JetStream's only
     Waiting,
     /// It will not come back, and why: open another.
+    #[cfg_attr(not(feature = "rabbitmq"), allow(dead_code))] // RabbitMQ's only
     Lost(String),
 }
 
@@ -303,6 +306,7 @@ pub(crate) enum Retried {
     Requeued,
     /// Back on the queue for the last time: the broker dead-letters it at its own
     /// delivery limit (a quorum queue's), so the dead letter is counted here.
+    #[cfg_attr(not(feature = "rabbitmq"), allow(dead_code))] // RabbitMQ's only
     RequeuedLast,
     /// Out of attempts: to be dead-lettered, with this detail.
     Exhausted(String),

@@ -131,6 +131,7 @@
 
 #[cfg(feature = "rabbitmq")]
 pub mod amqp;
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
 mod backoff;
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub mod batching;
