@@ -362,12 +362,10 @@ async fn resume_forever(actors: &[ActorRef<OrchestratorMessage>], interval: Dura
 
 /// How often the saga history is pruned.
 const HISTORY_PRUNE_INTERVAL: Duration = Duration::from_secs(3600);
-/// How soon the history pass tries again when the maintenance lock is held.
-const LOCK_HELD_RETRY: Duration = Duration::from_secs(2);
 
 /// Prunes the saga history at start and every [`HISTORY_PRUNE_INTERVAL`] (creating its
-/// partitions `months_ahead`), under the database's maintenance lock so that one process
-/// at a time does it, waiting [`LOCK_HELD_RETRY`] when another holds it; never returns.
+/// partitions `months_ahead`), under the history's maintenance lock so that one process
+/// at a time does it (the inbox's pruner has a lock of its own); never returns.
 /// Without a retention, waits forever.
 async fn prune_history_forever<S: InboxStore + SagaStore>(
     store: &S,
@@ -378,7 +376,7 @@ async fn prune_history_forever<S: InboxStore + SagaStore>(
         return std::future::pending().await;
     };
     loop {
-        match store.try_maintenance_lock().await {
+        match store.try_history_lock().await {
             Ok(Some(lock)) => {
                 let pass =
                     history_pass(store, chrono::Utc::now(), retention, months_ahead, false).await;
@@ -395,16 +393,7 @@ async fn prune_history_forever<S: InboxStore + SagaStore>(
                     }
                 }
             }
-            Ok(None) => {
-                // Held by a pass of the inbox's pruner (this process's, at start) or of
-                // another instance: it ends in moments, so try again soon rather than
-                // skip the hour.
-                tracing::debug!(
-                    "the maintenance lock is held; pruning the saga history a little later"
-                );
-                tokio::time::sleep(LOCK_HELD_RETRY).await;
-                continue;
-            }
+            Ok(None) => tracing::debug!("another instance is pruning the saga history"),
             Err(error) => {
                 tracing::warn!(%error, "cannot take the maintenance lock to prune the saga history")
             }

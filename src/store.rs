@@ -282,6 +282,16 @@ pub trait InboxStore: Debug + Send + Sync + 'static {
         async { Ok(Some(MaintenanceLock::not_needed())) }
     }
 
+    /// The same as [`try_maintenance_lock`](Self::try_maintenance_lock) for the saga
+    /// history's pass, under a lock of its own: an inbox pass and a history pass do
+    /// different work, so neither skips because the other holds its lock, in one process
+    /// or across instances.
+    fn try_history_lock(
+        &self,
+    ) -> impl Future<Output = Result<Option<MaintenanceLock>, sqlx::Error>> + Send {
+        async { Ok(Some(MaintenanceLock::not_needed())) }
+    }
+
     /// Records `month` as pruned, then drops its whole partition (never row by row).
     /// Returns whether it existed.
     fn drop_partition(

@@ -383,3 +383,34 @@ async fn one_instance_at_a_time_prunes_and_a_dead_holder_is_replaced() {
         "each expired month dropped exactly once"
     );
 }
+
+/// The inbox pruner and the saga history's pass take locks of their own: one holding
+/// its lock never makes the other skip (an orchestrator runs both at start), while
+/// each still lets one instance at a time through.
+#[tokio::test]
+async fn the_inbox_and_the_history_passes_have_locks_of_their_own() {
+    use sagabox::InboxStore;
+    let pg = common::Pg::new().await;
+    let store = pg.store(4).await;
+    let inbox = store.try_maintenance_lock().await.unwrap().expect("free");
+    let history = store
+        .try_history_lock()
+        .await
+        .unwrap()
+        .expect("not held by the inbox's pass");
+    assert!(
+        store.try_maintenance_lock().await.unwrap().is_none(),
+        "one inbox pass at a time"
+    );
+    assert!(
+        store.try_history_lock().await.unwrap().is_none(),
+        "one history pass at a time"
+    );
+    inbox.release().await;
+    history.release().await;
+    let again = store.try_history_lock().await.unwrap();
+    assert!(again.is_some(), "free again once released");
+    if let Some(lock) = again {
+        lock.release().await;
+    }
+}

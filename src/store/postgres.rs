@@ -71,6 +71,24 @@ pub struct PostgresStore {
 }
 
 impl PostgresStore {
+    /// Takes maintenance lock `object` without waiting. A session lock, on a connection
+    /// taken out of the pool: it is released when the lock is dropped (the connection
+    /// closes) or the process dies, and never goes back to the pool still held.
+    async fn try_session_lock(&self, object: i32) -> Result<Option<MaintenanceLock>, sqlx::Error> {
+        let mut session = self.pool.acquire().await?.detach();
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
+            .bind(MAINTENANCE_CLASS)
+            .bind(object)
+            .fetch_one(&mut session)
+            .await?;
+        if locked {
+            Ok(Some(MaintenanceLock::postgres(session)))
+        } else {
+            let _ = session.close().await;
+            Ok(None)
+        }
+    }
+
     /// A store on an existing pool, with its tables in the default schema (`sagabox`;
     /// see [`with_schema`](Self::with_schema)). The pool may be one the application
     /// shares: every statement names its schema, none changes the connection's settings.
@@ -226,9 +244,13 @@ fn first_delivery(row: &PgRow) -> Result<Option<FirstDelivery>, sqlx::Error> {
     )
 }
 
-/// Advisory lock class of the maintenance lock ('Sagb'): a session lock held for a whole
-/// pruner pass, in a class of its own so that no claim key's hash can collide with it.
+/// Advisory lock class of the maintenance locks ('Sagb'): session locks held for a whole
+/// pass, in a class of their own so that no claim key's hash can collide with them.
 const MAINTENANCE_CLASS: i32 = LOCK_CLASS + 1;
+/// The maintenance lock's object for the inbox pruner's pass.
+const INBOX_MAINTENANCE: i32 = 0;
+/// The maintenance lock's object for the saga history's pass.
+const HISTORY_MAINTENANCE: i32 = 1;
 
 /// The advisory lock object that serialises partition DDL and the pruned watermark.
 const DDL_LOCK: i32 = 0;
@@ -738,20 +760,11 @@ impl InboxStore for PostgresStore {
     }
 
     async fn try_maintenance_lock(&self) -> Result<Option<MaintenanceLock>, sqlx::Error> {
-        // A session lock, on a connection taken out of the pool: it is released when
-        // the lock is dropped (the connection closes) or the process dies, and never
-        // goes back to the pool still held.
-        let mut session = self.pool.acquire().await?.detach();
-        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, 0)")
-            .bind(MAINTENANCE_CLASS)
-            .fetch_one(&mut session)
-            .await?;
-        if locked {
-            Ok(Some(MaintenanceLock::postgres(session)))
-        } else {
-            let _ = session.close().await;
-            Ok(None)
-        }
+        self.try_session_lock(INBOX_MAINTENANCE).await
+    }
+
+    async fn try_history_lock(&self) -> Result<Option<MaintenanceLock>, sqlx::Error> {
+        self.try_session_lock(HISTORY_MAINTENANCE).await
     }
 
     async fn drop_partition(&self, month: Month) -> Result<bool, sqlx::Error> {
