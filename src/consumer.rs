@@ -59,15 +59,6 @@ pub struct ConsumerHandle {
 }
 
 impl ConsumerHandle {
-    /// The handle of the consumer `task`, which ends when `stop` turns true.
-    pub(crate) fn new(
-        stop: watch::Sender<bool>,
-        task: JoinHandle<()>,
-        stats: Arc<ConsumerStats>,
-    ) -> Self {
-        Self { stop, task, stats }
-    }
-
     /// What it has done so far (`sessions`: connections or subscriptions started).
     pub fn stats(&self) -> &Arc<ConsumerStats> {
         &self.stats
@@ -168,9 +159,31 @@ enum Ended {
     Lost(String),
 }
 
+/// Starts consuming from `source` — `consumes` names its queue or stream — with
+/// `handler` for `consumer_type`'s messages of `kinds`, and reports its readiness under
+/// that name: what every broker's `Consumer::spawn` ends with.
+pub(crate) fn spawn<S, H>(
+    source: S,
+    consumes: &str,
+    consumer_type: ConsumerType,
+    kinds: BTreeSet<String>,
+    handler: H,
+) -> ConsumerHandle
+where
+    S: Source,
+    H: DeliveryHandler,
+{
+    let readiness = crate::health::global().consumer(format!("{consumes} ({})", source.broker()));
+    let (stop, stopped) = watch::channel(false);
+    let stats = Arc::new(ConsumerStats::default());
+    let settler = Settler::new(consumer_type, kinds, handler, Arc::clone(&stats));
+    let task = tokio::spawn(run(source, Arc::new(settler), readiness, stopped));
+    ConsumerHandle { stop, task, stats }
+}
+
 /// Consumes from `source` with `settler` until `stopped` turns true: the session loop
 /// of every broker's consumer (see the module's documentation).
-pub(crate) async fn run<S, H>(
+async fn run<S, H>(
     mut source: S,
     settler: Arc<Settler<H>>,
     readiness: ConsumerReadiness,
@@ -366,7 +379,7 @@ pub(crate) struct Settler<H> {
 
 impl<H: DeliveryHandler> Settler<H> {
     /// Settles `consumer_type`'s messages of `kinds` with `handler`, counting in `stats`.
-    pub(crate) fn new(
+    fn new(
         consumer_type: ConsumerType,
         kinds: BTreeSet<String>,
         handler: H,

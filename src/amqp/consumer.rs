@@ -34,15 +34,12 @@ use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use tokio::sync::watch;
 
 use super::broker::{self, Publisher, Routing};
 use super::codec;
 use super::config::{AmqpConfig, AmqpError, QueueType};
-use crate::consumer::{Health, Next, Received, Retried, Settler, Source, Subscription};
-use crate::delivery::{
-    ATTEMPTS_HEADER, ConsumerStats, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler,
-};
+use crate::consumer::{Health, Next, Received, Retried, Source, Subscription};
+use crate::delivery::{ATTEMPTS_HEADER, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler};
 use crate::envelope::{ConsumerType, Envelope, MessageId};
 use crate::metrics::DeadReason;
 use crate::wire::Malformed;
@@ -110,31 +107,19 @@ impl Consumer {
             let _ = first.close(200, "refused".into()).await;
             return Err(error);
         }
-        let (stop, stopped) = watch::channel(false);
-        let stats = Arc::new(ConsumerStats::default());
-        let queue = options
-            .private_queue
-            .clone()
-            .unwrap_or_else(|| config.queue(&options.consumer_type));
-        let settler = Settler::new(
-            options.consumer_type.clone(),
-            options.kinds.clone(),
-            handler,
-            Arc::clone(&stats),
-        );
-        let readiness = crate::health::global().consumer(format!("{queue} (RabbitMQ)"));
+        let (consumer_type, kinds) = (options.consumer_type.clone(), options.kinds.clone());
         let source = QueueSource {
             config: Arc::new(config),
             options,
             first: Some(first),
         };
-        let task = tokio::spawn(crate::consumer::run(
+        Ok(crate::consumer::spawn(
             source,
-            Arc::new(settler),
-            readiness,
-            stopped,
-        ));
-        Ok(ConsumerHandle::new(stop, task, stats))
+            &queue,
+            consumer_type,
+            kinds,
+            handler,
+        ))
     }
 }
 

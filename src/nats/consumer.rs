@@ -31,13 +31,12 @@ use async_nats::Client;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{AckKind, Context, Message};
 use futures_util::StreamExt;
-use tokio::sync::watch;
 
 use super::codec::{self, CORRELATION_ID_HEADER, REPLY_TO_HEADER};
 use super::config::{NatsConfig, NatsError};
 use super::jetstream::{self, RETENTION_SETTING};
-use crate::consumer::{Health, Next, Received, Retried, Settler, Source, Subscription};
-use crate::delivery::{ConsumerStats, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler};
+use crate::consumer::{Health, Next, Received, Retried, Source, Subscription};
+use crate::delivery::{DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler};
 use crate::envelope::{ConsumerType, Envelope, MessageId};
 use crate::inbox::InboxConfig;
 use crate::metrics::DeadReason;
@@ -111,12 +110,7 @@ impl Consumer {
         }
         let consumer =
             jetstream::durable_consumer(&stream, &config, &options.consumer_type).await?;
-        let readiness = crate::health::global().consumer(format!(
-            "{} (NATS JetStream)",
-            config.stream(&options.consumer_type)
-        ));
-        let (stop, stopped) = watch::channel(false);
-        let stats = Arc::new(ConsumerStats::default());
+        let stream_name = config.stream(&options.consumer_type);
         let source = StreamSource {
             link: Arc::new(Link {
                 subject: config.subject(&options.consumer_type),
@@ -127,19 +121,13 @@ impl Consumer {
             }),
             consumer,
         };
-        let settler = Settler::new(
+        Ok(crate::consumer::spawn(
+            source,
+            &stream_name,
             options.consumer_type,
             options.kinds,
             handler,
-            Arc::clone(&stats),
-        );
-        let task = tokio::spawn(crate::consumer::run(
-            source,
-            Arc::new(settler),
-            readiness,
-            stopped,
-        ));
-        Ok(ConsumerHandle::new(stop, task, stats))
+        ))
     }
 }
 
