@@ -253,6 +253,25 @@ macro_rules! orchestrator_suite {
                 }
             }
 
+            /// An in-process dispatch to a step pool for each of `definition`'s steps,
+            /// each of `workers` workers running `handler`, with a connection more than
+            /// its workers.
+            async fn pools<H>(fx: &$fixture, definition: &SagaDefinition, handler: H, workers: usize) -> InProcess
+            where
+                H: StepHandler<$db> + Clone,
+            {
+                let mut dispatch = InProcess::new();
+                for step in definition.steps() {
+                    let connections = u32::try_from(workers + 1).unwrap();
+                    let guard = InboxGuard::new(fx.store(connections).await, InboxConfig::default()).unwrap();
+                    let pool = StepPool::spawn(guard, step.consumer_type().clone(), handler.clone(), StepPoolConfig { workers })
+                        .await
+                        .unwrap();
+                    dispatch = dispatch.with_pool(pool);
+                }
+                dispatch
+            }
+
             /// A step that fails on every attempt is sent `max_attempts` times, each
             /// attempt recorded in the history and each retry after its backoff; then
             /// the saga compensates (`exhausted`): the car, then the hotel, then the flight.
@@ -262,14 +281,7 @@ macro_rules! orchestrator_suite {
                 fx.exec(JOURNAL_DDL).await;
                 let definition = Arc::new(SagaDefinition::from_toml_str(RETRIED).unwrap());
                 let seq = Arc::new(AtomicU64::new(0));
-                let mut dispatch = InProcess::new();
-                for step in definition.steps() {
-                    let guard = InboxGuard::new(fx.store(2).await, InboxConfig::default()).unwrap();
-                    let pool = StepPool::spawn(guard, step.consumer_type().clone(), Unanswered(seq.clone()), StepPoolConfig { workers: 1 })
-                        .await
-                        .unwrap();
-                    dispatch = dispatch.with_pool(pool);
-                }
+                let dispatch = pools(&fx, &definition, Unanswered(seq.clone()), 1).await;
                 let store = fx.store(4).await;
                 let (orchestrator, _) = Actor::spawn(
                     None,
@@ -339,14 +351,7 @@ macro_rules! orchestrator_suite {
                 fx.exec(JOURNAL_DDL).await;
                 let definition = Arc::new(SagaDefinition::from_toml_str(JOURNEY).unwrap());
                 let seq = Arc::new(AtomicU64::new(0));
-                let mut dispatch = InProcess::new();
-                for step in definition.steps() {
-                    let guard = InboxGuard::new(fx.store(3).await, InboxConfig::default()).unwrap();
-                    let pool = StepPool::spawn(guard, step.consumer_type().clone(), Journal(seq.clone()), StepPoolConfig { workers: 2 })
-                        .await
-                        .unwrap();
-                    dispatch = dispatch.with_pool(pool);
-                }
+                let dispatch = pools(&fx, &definition, Journal(seq.clone()), 2).await;
                 let store = fx.store(4).await;
                 let (orchestrator, _) = Actor::spawn(
                     None,
@@ -396,14 +401,7 @@ macro_rules! orchestrator_suite {
                 seed: u64,
             ) -> (ractor::ActorRef<OrchestratorMessage>, $store, Arc<DriveStats>) {
                 let ledger = Arc::new(Ledger { calls: AtomicU64::new(0), fail_every: 5 });
-                let mut dispatch = InProcess::new();
-                for step in trip().steps() {
-                    let guard = InboxGuard::new(fx.store(4).await, InboxConfig::default()).unwrap();
-                    let pool = StepPool::spawn(guard, step.consumer_type().clone(), Handler(ledger.clone()), StepPoolConfig { workers: 3 })
-                        .await
-                        .unwrap();
-                    dispatch = dispatch.with_pool(pool);
-                }
+                let dispatch = pools(&fx, &trip(), Handler(ledger.clone()), 3).await;
                 let store = fx.store(4).await;
                 let stats = Arc::new(DriveStats::default());
                 let (orchestrator, _) = Actor::spawn(
