@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/test-setup.sh
-cargo test "$@"
+cargo test --workspace "$@"
 
 tls_dir=${SAGABOX_TLS_DIR:-/etc/sagabox-test/tls}
 echo "test: the inbox, saga, batch and outbox suites again, over TLS to PostgreSQL"

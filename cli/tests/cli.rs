@@ -1093,3 +1093,44 @@ async fn serve_prunes_expired_months_and_relays_the_outbox() {
         "the current month stays"
     );
 }
+
+/// The quick start is `cargo run --release -- demo` at the repository root: cargo runs
+/// it only when the workspace's default members hold a single binary, and that binary
+/// must be `sagabox`. An example package with a binary of its own, added to the
+/// default members, would make cargo refuse the README's first command.
+#[test]
+fn the_quick_starts_cargo_run_finds_the_sagabox_binary_alone() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let output = std::process::Command::new(cargo)
+        .args(["metadata", "--no-deps", "--format-version", "1"])
+        .current_dir(&root)
+        .output()
+        .expect("cargo metadata runs");
+    assert!(
+        output.status.success(),
+        "cargo metadata: {}",
+        stderr(&output)
+    );
+    let metadata = json(&output);
+    let defaults: Vec<&str> = metadata["workspace_default_members"]
+        .as_array()
+        .expect("cargo reports the default members")
+        .iter()
+        .filter_map(|id| id.as_str())
+        .collect();
+    let binaries: Vec<String> = metadata["packages"]
+        .as_array()
+        .expect("cargo lists the packages")
+        .iter()
+        .filter(|package| defaults.contains(&package["id"].as_str().unwrap_or_default()))
+        .flat_map(|package| package["targets"].as_array().cloned().unwrap_or_default())
+        .filter(|target| {
+            target["kind"]
+                .as_array()
+                .is_some_and(|kinds| kinds.iter().any(|k| k == "bin"))
+        })
+        .filter_map(|target| target["name"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(binaries, ["sagabox"], "the default members' binaries");
+}
