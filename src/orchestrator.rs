@@ -36,22 +36,18 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chrono::Utc;
 use futures_util::FutureExt;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
-use serde_json::{Value, json};
 use tracing::Instrument;
 
 use crate::clock::{Clock, SystemClock};
 use crate::envelope::{ConsumerType, Envelope};
-use crate::metrics::{self, CompensationTrigger, StepAttempt};
+use crate::metrics::{self, StepAttempt};
+use crate::saga::machine;
 use crate::saga::versions::{Definitions, RegisterError, VersionError};
-use crate::saga::{
-    Direction, EventKind, SagaDefinition, SagaEvent, SagaInstance, SagaStatus, SagaStore,
-    StartError,
-};
+use crate::saga::{EventKind, SagaDefinition, SagaEvent, SagaInstance, SagaStore, StartError};
 use crate::step::{StepFailure, StepOutcome, StepPool, StepReply};
 use crate::supervisor::panic_message;
 
@@ -450,48 +446,25 @@ struct Driver<St, D> {
     clock: Arc<dyn Clock>,
 }
 
-/// A saga's status and step: where it stands.
-type Position = (SagaStatus, i32);
-
-/// Whether parking a saga renews its step's command id.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Renew {
-    /// The inbox answered the command for good: the next one gets a new id.
-    Command,
-    /// The command may have applied, or was never sent: it keeps its id.
-    Nothing,
-}
-
 /// How long to wait before trying a failed store operation again.
 const STORE_RETRY: Duration = Duration::from_millis(200);
 
-/// What one attempt of a step's command answered, for the saga's history.
-fn answered(reply: &Result<StepReply, StepFailure>) -> (EventKind, Option<String>) {
-    match reply {
-        Ok(StepReply {
-            outcome: StepOutcome::Done(_),
-            duplicate,
-        }) => (
-            if *duplicate {
-                EventKind::Duplicate
-            } else {
-                EventKind::Applied
-            },
-            None,
-        ),
-        Ok(StepReply {
-            outcome: StepOutcome::Refused(reason),
-            ..
-        }) => (EventKind::Refused, Some(reason.clone())),
-        Err(StepFailure::Rejected(reason)) => (EventKind::Rejected, Some(reason.clone())),
-        Err(failure @ StepFailure::Timeout(_)) => (EventKind::TimedOut, Some(failure.to_string())),
-        Err(failure @ StepFailure::Retryable(_)) => (EventKind::Failed, Some(failure.to_string())),
-    }
+/// What became of a save.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Saved {
+    /// The change is stored.
+    Written,
+    /// Another driver or an operator saved first: the saga was reloaded, the change
+    /// dropped.
+    Reloaded,
+    /// The saga's row is gone: the driver stops.
+    Gone,
 }
 
 impl<St: SagaStore, D: Dispatch> Driver<St, D> {
+    /// Drives saga `id` until it is finished, parked or gone: performs what the state
+    /// machine ([`machine`]) decides.
     async fn drive(&self, id: &str) {
-        use std::sync::atomic::Ordering::Relaxed;
         let mut rng = StdRng::seed_from_u64(seed_of(id));
         let Some(mut saga) = self.load(id).await else {
             tracing::warn!(saga_id = id, "no such saga instance; nothing to drive");
@@ -507,235 +480,128 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
             );
             return;
         }
-        while !saga.status.is_terminal() {
-            if let Some(reason) = &saga.parked {
-                tracing::info!(saga_id = %saga.id, %reason, "saga is parked; an operator retries or cancels it");
+        if let Some(reason) = &saga.parked {
+            tracing::info!(saga_id = %saga.id, %reason, "saga is parked; an operator retries or cancels it");
+            return;
+        }
+        loop {
+            if saga.status.is_terminal() || saga.parked.is_some() {
                 return;
             }
-            // Where the saga stands before this turn: a save that moves it elsewhere starts
-            // the new step's command at round 0 again (see `SagaInstance::command_round`).
-            let position = (saga.status, saga.current_step);
             let Some(definition) = self.definition_of(&mut saga).await else {
                 return;
             };
-            let steps = definition.steps();
-            let now = self.clock.now();
-            // A deadline stops a saga with a step left to run; one past its last step only
-            // has its completion left to save.
-            let step_left = usize::try_from(saga.current_step).is_ok_and(|i| i < steps.len());
-            if saga.status == SagaStatus::Running
-                && step_left
-                && saga.deadline_at.is_some_and(|at| at <= now)
-            {
-                if !self
-                    .deadline_passed(&mut saga, position, &definition, now)
-                    .await
-                {
-                    return;
-                }
-                continue;
-            }
-            let index = usize::try_from(saga.current_step).ok();
-            let (direction, step) = match (saga.status, index) {
-                (SagaStatus::Running, Some(i)) if i < steps.len() => {
-                    (Direction::Forward, &steps[i])
-                }
-                (SagaStatus::Running, _) => {
-                    saga.status = SagaStatus::Completed;
-                    if !self
-                        .save(
-                            &mut saga,
-                            position,
-                            vec![SagaEvent::new(EventKind::Completed, now)],
-                        )
-                        .await
-                    {
-                        return;
-                    }
-                    if saga.status.is_terminal() {
-                        self.finished(&saga, name);
-                    }
-                    continue;
-                }
-                (SagaStatus::Compensating, Some(i)) if i < steps.len() => {
-                    (Direction::Backward, &steps[i])
-                }
-                _ => {
-                    saga.status = SagaStatus::Compensated;
-                    if !self
-                        .save(
-                            &mut saga,
-                            position,
-                            vec![SagaEvent::new(EventKind::Compensated, now)],
-                        )
-                        .await
-                    {
-                        return;
-                    }
-                    if saga.status.is_terminal() {
-                        self.finished(&saga, name);
-                    }
-                    continue;
+            let change = match machine::next(&mut saga, &definition, self.clock.now()) {
+                machine::Next::Idle => return,
+                machine::Next::Save(change) => change,
+                machine::Next::Send(command) => {
+                    let (reply, waited) = self.send(&saga, &command).await;
+                    machine::answer(
+                        &mut saga,
+                        &command,
+                        reply,
+                        self.clock.now(),
+                        waited,
+                        &mut rng,
+                    )
                 }
             };
-            let Some(i) = index else { break };
-            let kind = match direction {
-                Direction::Forward => step.command(),
-                Direction::Backward => match step.compensation() {
-                    Some(kind) => kind,
-                    None => {
-                        // Nothing to undo for this step.
-                        saga.current_step -= 1;
-                        saga.attempts = 0;
-                        let skipped = SagaEvent::new(EventKind::Skipped, now)
-                            .step(step.name(), Direction::Backward);
-                        if !self.save(&mut saga, position, vec![skipped]).await {
-                            return;
-                        }
-                        continue;
-                    }
-                },
-            };
-            let envelope =
-                match Envelope::new(saga.command_id(i, direction), kind, saga.data.clone()) {
-                    Ok(envelope) => envelope.with_saga_id(saga.id.clone()),
-                    Err(error) => unreachable!("kinds are validated with the definition: {error}"),
-                };
-            saga.attempts += 1;
-            self.stats.deliveries.fetch_add(1, Relaxed);
-            if saga.attempts > 1 {
-                self.stats.retries.fetch_add(1, Relaxed);
+            if !self.apply(&mut saga, change).await {
+                return;
             }
-            let span = tracing::debug_span!(
-                "saga.step",
-                saga = name,
-                saga_id = %saga.id,
-                step = step.name(),
-                direction = direction.as_str(),
-                attempt = saga.attempts,
-                outcome = tracing::field::Empty,
-            );
-            let sent = SagaEvent::new(EventKind::Sent, now)
-                .step(step.name(), direction)
-                .attempt(saga.attempts);
-            let attempt_started = Instant::now();
-            let reply = self
-                .dispatch
-                .dispatch(step.consumer_type(), envelope, step.timeout())
-                .instrument(span.clone())
-                .await;
-            let waited = attempt_started.elapsed();
-            let (answer, detail) = answered(&reply);
-            let outcome = match answer {
-                EventKind::Applied | EventKind::Duplicate => StepAttempt::Done,
-                EventKind::Refused => StepAttempt::Refused,
-                _ => StepAttempt::Failed,
-            };
-            span.record("outcome", outcome.as_str());
-            // Closing the span here prints the attempt as one line, outcome included.
-            drop(span);
-            metrics::saga_step(
-                name,
-                step.name(),
-                direction,
-                outcome,
-                waited,
-                saga.attempts > 1,
-            );
-            let mut answer = SagaEvent::new(answer, self.clock.now())
-                .step(step.name(), direction)
-                .attempt(saga.attempts)
-                .duration(waited);
-            if let Some(detail) = detail {
-                answer = answer.detail(detail);
+        }
+    }
+
+    /// Sends one attempt of `command` and waits for its reply (up to the step's
+    /// timeout), with its span, counters and metrics. Returns the reply and how long it
+    /// took.
+    async fn send(
+        &self,
+        saga: &SagaInstance,
+        command: &machine::Command<'_>,
+    ) -> (Result<StepReply, StepFailure>, Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let step = command.step;
+        let retry = command.attempt > 1;
+        self.stats.deliveries.fetch_add(1, Relaxed);
+        if retry {
+            self.stats.retries.fetch_add(1, Relaxed);
+        }
+        let span = tracing::debug_span!(
+            "saga.step",
+            saga = %saga.saga_name,
+            saga_id = %saga.id,
+            step = step.name(),
+            direction = command.direction.as_str(),
+            attempt = command.attempt,
+            outcome = tracing::field::Empty,
+        );
+        let started = Instant::now();
+        let reply = self
+            .dispatch
+            .dispatch(step.consumer_type(), command.envelope(saga), step.timeout())
+            .instrument(span.clone())
+            .await;
+        let waited = started.elapsed();
+        let outcome = match &reply {
+            Ok(StepReply {
+                outcome: StepOutcome::Done(_),
+                duplicate,
+            }) => {
+                if *duplicate {
+                    self.stats.duplicates.fetch_add(1, Relaxed);
+                }
+                StepAttempt::Done
             }
-            let at = answer.at;
-            let mut events = vec![sent, answer];
-            match (direction, reply) {
-                (_, Ok(reply)) => {
-                    if reply.duplicate {
-                        self.stats.duplicates.fetch_add(1, Relaxed);
-                    }
-                    match (direction, reply.outcome) {
-                        (Direction::Forward, StepOutcome::Done(result)) => {
-                            record_result(&mut saga.data, step.name(), result);
-                            saga.current_step += 1;
-                            // A transient failure of an earlier attempt no longer holds
-                            // the saga up; the history keeps every attempt.
-                            saga.last_error = None;
-                        }
-                        (Direction::Forward, StepOutcome::Refused(reason)) => {
-                            // Refused for good: nothing applied here; undo the ones before.
-                            metrics::saga_compensation(name, CompensationTrigger::Refused);
-                            saga.status = SagaStatus::Compensating;
-                            saga.current_step -= 1;
-                            saga.last_error = Some(format!("{} refused: {reason}", step.name()));
-                            events.push(compensating(CompensationTrigger::Refused, at));
-                        }
-                        (Direction::Backward, StepOutcome::Refused(reason)) => {
-                            // Not undone: park the saga for an operator rather than call
-                            // it compensated.
-                            let why = format!("undo {} refused: {reason}", step.name());
-                            tracing::error!(saga_id = %saga.id, step = step.name(), %reason, "compensation refused; saga parked");
-                            self.park(&mut saga, position, events, why, at, Renew::Command)
-                                .await;
-                            return;
-                        }
-                        (Direction::Backward, StepOutcome::Done(_)) => {
-                            saga.current_step -= 1;
-                        }
-                    }
-                    saga.attempts = 0;
-                    if !self.save(&mut saga, position, events).await {
-                        return;
-                    }
+            Ok(StepReply {
+                outcome: StepOutcome::Refused(_),
+                ..
+            }) => StepAttempt::Refused,
+            Err(_) => StepAttempt::Failed,
+        };
+        span.record("outcome", outcome.as_str());
+        // Closing the span here prints the attempt as one line, outcome included.
+        drop(span);
+        metrics::saga_step(
+            &saga.saga_name,
+            step.name(),
+            command.direction,
+            outcome,
+            waited,
+            retry,
+        );
+        (reply, waited)
+    }
+
+    /// Saves `change` (the state machine already applied it to `saga`), records what it
+    /// means in the metrics and the log, and waits out its backoff. Returns `false` when
+    /// the driver must stop.
+    async fn apply(&self, saga: &mut SagaInstance, change: machine::Change) -> bool {
+        let parked = change
+            .events
+            .iter()
+            .any(|event| event.kind == EventKind::Parked);
+        match self.save(saga, &change.events).await {
+            Saved::Gone => return false,
+            Saved::Reloaded => {}
+            Saved::Written => {
+                if let Some(trigger) = change.compensating {
+                    metrics::saga_compensation(&saga.saga_name, trigger);
                 }
-                (Direction::Forward, Err(failure)) => {
-                    let attempts = u32::try_from(saga.attempts).unwrap_or(u32::MAX);
-                    saga.last_error = Some(format!("{}: {failure}", step.name()));
-                    let rejected = matches!(failure, StepFailure::Rejected(_));
-                    if rejected || !step.retry().allows(attempts.saturating_add(1)) {
-                        // Out of attempts: it may have applied with its reply lost, so it
-                        // is compensated too (compensations are idempotent per message id).
-                        let trigger = if rejected {
-                            CompensationTrigger::Rejected
-                        } else {
-                            CompensationTrigger::Exhausted
-                        };
-                        metrics::saga_compensation(name, trigger);
-                        saga.status = SagaStatus::Compensating;
-                        saga.attempts = 0;
-                        events.push(compensating(trigger, at));
-                        if !self.save(&mut saga, position, events).await {
-                            return;
-                        }
-                    } else {
-                        if !self.save(&mut saga, position, events).await {
-                            return;
-                        }
-                        tokio::time::sleep(step.retry().delay(attempts, &mut rng)).await;
-                    }
+                if parked {
+                    metrics::saga_parked(&saga.saga_name);
+                    let reason = saga.parked.as_deref().unwrap_or_default();
+                    tracing::error!(saga_id = %saga.id, %reason, "saga parked; an operator retries or cancels it");
                 }
-                (Direction::Backward, Err(StepFailure::Rejected(reason))) => {
-                    // Retrying cannot help (expired, no such step): park it for an
-                    // operator, with its reason.
-                    let why = format!("undo {}: {reason}", step.name());
-                    tracing::error!(saga_id = %saga.id, step = step.name(), %reason, "compensation rejected; saga parked");
-                    self.park(&mut saga, position, events, why, at, Renew::Command)
-                        .await;
-                    return;
-                }
-                (Direction::Backward, Err(failure)) => {
-                    // Compensations run until they succeed.
-                    let attempts = u32::try_from(saga.attempts).unwrap_or(u32::MAX);
-                    saga.last_error = Some(format!("undo {}: {failure}", step.name()));
-                    if !self.save(&mut saga, position, events).await {
-                        return;
-                    }
-                    tokio::time::sleep(step.retry().delay(attempts, &mut rng)).await;
+                if saga.status.is_terminal() {
+                    self.finished(saga);
                 }
             }
         }
+        if let Some(backoff) = change.backoff {
+            tokio::time::sleep(backoff).await;
+        }
+        true
     }
 
     /// The definition version `saga` runs on. A version no orchestrator stored (or one
@@ -753,93 +619,26 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                     tokio::time::sleep(STORE_RETRY).await;
                 }
                 Err(error) => {
-                    tracing::error!(saga_id = %saga.id, %error, "saga parked");
-                    let now = self.clock.now();
-                    let position = (saga.status, saga.current_step);
-                    self.park(
+                    let events = machine::park(
                         saga,
-                        position,
                         Vec::new(),
                         error.to_string(),
-                        now,
-                        Renew::Nothing,
-                    )
-                    .await;
+                        self.clock.now(),
+                        machine::Renew::Nothing,
+                    );
+                    self.apply(saga, machine::Change::parked(events)).await;
                     return None;
                 }
             }
         }
     }
 
-    /// The deadline of running `saga` passed while it is at a step (`current_step` is an
-    /// index of `definition`'s steps): compensate it from that step (whose command may
-    /// have gone out), or park it when that step has no compensation. Returns `false`
-    /// when the driver must stop.
-    async fn deadline_passed(
-        &self,
-        saga: &mut SagaInstance,
-        position: Position,
-        definition: &SagaDefinition,
-        now: chrono::DateTime<Utc>,
-    ) -> bool {
-        let steps = definition.steps();
-        let at = usize::try_from(saga.current_step).unwrap_or(0);
-        let passed = SagaEvent::new(EventKind::DeadlinePassed, now);
-        let step = &steps[at];
-        if step.compensation().is_none() {
-            let why = format!(
-                "deadline passed at step `{}`, which has no compensation: the saga can only go \
-                 forward; retry it to let it finish",
-                step.name()
-            );
-            self.park(saga, position, vec![passed], why, now, Renew::Nothing)
-                .await;
-            return false;
-        }
-        metrics::saga_compensation(definition.name(), CompensationTrigger::Deadline);
-        saga.status = SagaStatus::Compensating;
-        saga.current_step = i32::try_from(at).unwrap_or(i32::MAX);
-        saga.attempts = 0;
-        saga.last_error = Some("deadline passed".to_owned());
-        self.save(
-            saga,
-            position,
-            vec![passed, compensating(CompensationTrigger::Deadline, now)],
-        )
-        .await
-    }
-
-    /// Parks `saga` with `reason`, after `events`: it waits for an operator. With
-    /// [`Renew::Command`] (the step's inbox answered the command for good: refused or
-    /// rejected, nothing applied), the step's next command gets a new id, so that once
-    /// an operator has fixed the cause and retried the saga, the inbox does not answer
-    /// with the recorded refusal again.
-    async fn park(
-        &self,
-        saga: &mut SagaInstance,
-        position: Position,
-        mut events: Vec<SagaEvent>,
-        reason: String,
-        at: chrono::DateTime<Utc>,
-        renew: Renew,
-    ) {
-        metrics::saga_parked(&saga.saga_name);
-        events.push(SagaEvent::new(EventKind::Parked, at).detail(reason.clone()));
-        saga.last_error = Some(reason.clone());
-        saga.parked = Some(reason);
-        saga.attempts = 0;
-        if renew == Renew::Command {
-            saga.command_round += 1;
-        }
-        self.save(saga, position, events).await;
-    }
-
     /// Records a saga that reached its terminal state (saved).
-    fn finished(&self, saga: &SagaInstance, name: &str) {
+    fn finished(&self, saga: &SagaInstance) {
         let elapsed = (self.clock.now() - saga.created_at)
             .to_std()
             .unwrap_or_default();
-        metrics::saga_finished(name, saga.status, elapsed);
+        metrics::saga_finished(&saga.saga_name, saga.status, elapsed);
     }
 
     async fn load(&self, id: &str) -> Option<SagaInstance> {
@@ -858,26 +657,22 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
     /// takes it: the next command must not go out before the state that led to it is
     /// stored. If another driver (a second process, or a stale one) or an operator saved
     /// in between, nothing is written and `saga` is reloaded: the driver goes on from the
-    /// stored state, never from its stale copy. Returns `false` when the row is gone: the
-    /// driver must stop.
-    async fn save(&self, saga: &mut SagaInstance, from: Position, events: Vec<SagaEvent>) -> bool {
+    /// stored state, never from its stale copy.
+    async fn save(&self, saga: &mut SagaInstance, events: &[SagaEvent]) -> Saved {
         saga.updated_at = self.clock.now();
-        if (saga.status, saga.current_step) != from {
-            saga.command_round = 0;
-        }
         loop {
-            match self.store.save(saga, &events).await {
-                Ok(true) => return true,
+            match self.store.save(saga, events).await {
+                Ok(true) => return Saved::Written,
                 Ok(false) => {
                     tracing::info!(saga_id = %saga.id, "saga changed under this driver; reloading");
                     return match self.load(&saga.id).await {
                         Some(stored) => {
                             *saga = stored;
-                            true
+                            Saved::Reloaded
                         }
                         None => {
                             tracing::warn!(saga_id = %saga.id, "saga row is gone; driver stops");
-                            false
+                            Saved::Gone
                         }
                     };
                 }
@@ -886,23 +681,6 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                     tokio::time::sleep(STORE_RETRY).await;
                 }
             }
-        }
-    }
-}
-
-/// The history's event of a saga turning to compensate, its trigger as the detail.
-fn compensating(trigger: CompensationTrigger, at: chrono::DateTime<chrono::Utc>) -> SagaEvent {
-    SagaEvent::new(EventKind::Compensating, at).detail(trigger.as_str())
-}
-
-fn record_result(data: &mut Value, step: &str, result: Value) {
-    if !data.is_object() {
-        *data = json!({ "input": data.take() });
-    }
-    if let Some(object) = data.as_object_mut() {
-        let steps = object.entry("steps").or_insert_with(|| json!({}));
-        if let Some(steps) = steps.as_object_mut() {
-            steps.insert(step.to_owned(), result);
         }
     }
 }

@@ -21,6 +21,7 @@
 mod definition;
 mod history;
 mod instance;
+pub(crate) mod machine;
 pub mod operator;
 mod store;
 pub mod versions;

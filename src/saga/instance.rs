@@ -214,8 +214,8 @@ pub struct SagaInstance {
     /// When a saga still running is compensated instead ([`SagaDefinition::deadline`]).
     pub deadline_at: Option<DateTime<Utc>>,
     /// How many times the command of the step the saga is at was renewed: 0 normally;
-    /// raised when the saga was parked because the step's inbox answered for good
-    /// (refused or rejected, nothing applied), so that its next command, after an
+    /// raised when the saga was parked because the step's inbox recorded a refusal of
+    /// its compensation (nothing applied), so that its next command, after an
     /// operator's retry, is a new message rather than the one the inbox answered. Back
     /// to 0 whenever the saga moves to another step or direction.
     pub command_round: u32,

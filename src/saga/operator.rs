@@ -87,22 +87,29 @@ pub async fn retry<St: SagaStore>(
     note: &str,
     now: DateTime<Utc>,
 ) -> Result<SagaInstance, OperatorError> {
-    act(store, id, |saga| {
-        if saga.status.is_terminal() {
-            return Err(finished(saga));
-        }
-        if saga.parked.is_none() {
-            return Err(OperatorError::NotParked {
-                id: saga.id.clone(),
-                status: saga.status,
-            });
-        }
-        saga.parked = None;
-        saga.deadline_at = None;
-        saga.attempts = 0;
-        Ok(SagaEvent::new(EventKind::Retried, now).detail(note))
-    })
-    .await
+    act(store, id, |saga| retried(saga, note, now)).await
+}
+
+/// An operator's retry of `saga`, applied to it: the event to record, or why the saga
+/// cannot be retried.
+pub(crate) fn retried(
+    saga: &mut SagaInstance,
+    note: &str,
+    now: DateTime<Utc>,
+) -> Result<SagaEvent, OperatorError> {
+    if saga.status.is_terminal() {
+        return Err(finished(saga));
+    }
+    if saga.parked.is_none() {
+        return Err(OperatorError::NotParked {
+            id: saga.id.clone(),
+            status: saga.status,
+        });
+    }
+    saga.parked = None;
+    saga.deadline_at = None;
+    saga.attempts = 0;
+    Ok(SagaEvent::new(EventKind::Retried, now).detail(note))
 }
 
 /// Cancels saga `id`: compensates the steps it completed (and the step it is at, which
@@ -119,24 +126,32 @@ pub async fn cancel<St: SagaStore>(
         return Err(OperatorError::NotFound(id.to_owned()));
     };
     let definition = stored_definition(store, &saga.saga_name, saga.definition_version).await?;
-    act(store, id, |saga| {
-        if saga.status.is_terminal() {
-            return Err(finished(saga));
-        }
-        if saga.status == SagaStatus::Compensating {
-            return Err(OperatorError::AlreadyCompensating {
-                id: saga.id.clone(),
-            });
-        }
-        let step = undo_from(&definition, saga)?;
-        saga.status = SagaStatus::Compensating;
-        saga.current_step = step;
-        saga.attempts = 0;
-        saga.parked = None;
-        saga.last_error = Some(format!("cancelled by an operator: {note}"));
-        Ok(SagaEvent::new(EventKind::Cancelled, now).detail(note))
-    })
-    .await
+    act(store, id, |saga| cancelled(&definition, saga, note, now)).await
+}
+
+/// An operator's cancel of `saga`, running `definition`, applied to it: the event to
+/// record, or why the saga cannot be cancelled.
+pub(crate) fn cancelled(
+    definition: &SagaDefinition,
+    saga: &mut SagaInstance,
+    note: &str,
+    now: DateTime<Utc>,
+) -> Result<SagaEvent, OperatorError> {
+    if saga.status.is_terminal() {
+        return Err(finished(saga));
+    }
+    if saga.status == SagaStatus::Compensating {
+        return Err(OperatorError::AlreadyCompensating {
+            id: saga.id.clone(),
+        });
+    }
+    let step = undo_from(definition, saga)?;
+    saga.status = SagaStatus::Compensating;
+    saga.current_step = step;
+    saga.attempts = 0;
+    saga.parked = None;
+    saga.last_error = Some(format!("cancelled by an operator: {note}"));
+    Ok(SagaEvent::new(EventKind::Cancelled, now).detail(note))
 }
 
 /// The step a cancelled running saga compensates first: the one it is at (its command
