@@ -43,10 +43,10 @@ use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::Instrument;
 
+use crate::delivery::DeadReason;
 use crate::delivery::{ConsumerStats, DeliveryHandler, Disposition};
 use crate::envelope::{ConsumerType, Envelope, MessageId};
 use crate::health::ConsumerReadiness;
-use crate::metrics::DeadReason;
 use crate::supervisor::panic_message;
 use crate::wire::Malformed;
 

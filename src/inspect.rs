@@ -27,8 +27,9 @@ use std::time::Duration;
 use chrono::{DateTime, TimeDelta, Utc};
 use serde::Serialize;
 
-use crate::database::{Backend, redact};
+use crate::database::Backend;
 use crate::inbox::{ConfigError, InboxConfig};
+use crate::logging::redact;
 use crate::month::Month;
 use crate::schema::Schema;
 

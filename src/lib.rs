@@ -102,7 +102,7 @@
 //!   trusts and presents, read and checked before connecting; [`TlsError`](tls::TlsError).
 //! - [`month`]: [`Month`], the partition unit; [`clock`]: [`Clock`], injectable time.
 //! - [`database`]: opening a store from a URL, migrating and pruning by URL, the typed
-//!   connection errors; [`redact`](database::redact) for logs.
+//!   connection errors; [`redact`](logging::redact) for logs.
 //!
 //! The `sagabox` command (migrate, prune, inspect, saga, dlq, console, serve, orchestrate,
 //! demo, bench, bench-broker) is the

@@ -190,7 +190,7 @@ where
             tracing::info!(
                 target: "sagabox::serve",
                 sagas = %crate::logging::json_list(config.definitions.iter().map(SagaDefinition::name)),
-                broker = %crate::database::redact(config.transport.url()),
+                broker = %crate::logging::redact(config.transport.url()),
                 "orchestrating"
             );
             let resume = resume_forever(&running.actors, config.resume_interval);

@@ -95,7 +95,7 @@ impl Transport {
         }
         let _ = prefix;
         Err(TransportError::UnknownScheme {
-            url: crate::database::redact(url),
+            url: crate::logging::redact(url),
         })
     }
 
@@ -120,7 +120,7 @@ impl Transport {
     }
 
     /// The broker's URL (with its password: redact it before showing it,
-    /// [`database::redact`](crate::database::redact)).
+    /// [`logging::redact`](crate::logging::redact)).
     pub fn url(&self) -> &str {
         match self {
             #[cfg(feature = "rabbitmq")]

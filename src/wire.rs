@@ -9,8 +9,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::delivery::DeadReason;
 use crate::envelope::{Envelope, KeyError, MessageId};
-use crate::metrics::DeadReason;
 
 /// The body of a message on the wire.
 #[derive(Debug, Serialize, Deserialize)]

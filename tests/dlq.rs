@@ -21,8 +21,8 @@ use sagabox::amqp::{
     REPLAYED_HEADER, ReplayOptions, codec,
 };
 use sagabox::consumer::ConsumerHandle;
+use sagabox::delivery::DeadReason;
 use sagabox::delivery::{ATTEMPTS_HEADER, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, Disposition};
-use sagabox::metrics::DeadReason;
 use sagabox::{ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId, Outcome, PostgresStore};
 use serde_json::json;
 

@@ -9,8 +9,9 @@
 
 use std::time::Duration;
 
-use sagabox::database::{Backend, redact};
+use sagabox::database::Backend;
 use sagabox::inbox::{ConfigError, InboxConfig};
+use sagabox::logging::redact;
 use sagabox::transport::Transport;
 
 /// The longest URL accepted, in bytes: far beyond any real one, and it keeps a pasted

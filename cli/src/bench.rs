@@ -44,7 +44,8 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use sagabox::Schema;
-use sagabox::database::{Backend, redact};
+use sagabox::database::Backend;
+use sagabox::logging::redact;
 use sagabox::step::{StepError, StepHandler, StepPool, StepPoolConfig};
 use sagabox::{
     ConsumerType, Envelope, InboxConfig, InboxGuard, MAX_BATCH, MessageId, PostgresStore,

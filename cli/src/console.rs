@@ -28,8 +28,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use sagabox::amqp::AmqpConfig;
-use sagabox::database::{Opened, open_migrated, redact};
+use sagabox::database::{Opened, open_migrated};
 use sagabox::inspect::InspectOptions;
+use sagabox::logging::redact;
 use sagabox::{InboxError, PostgresStore, SqliteStore};
 
 /// Database connections the console holds: a page runs its queries one after another,

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Subcommand};
 use sagabox::amqp::{AmqpConfig, DeadLetterQueue, DlqError, ReplayOptions};
-use sagabox::metrics::DeadReason;
+use sagabox::delivery::DeadReason;
 use sagabox_cli::args;
 
 use crate::{EXIT_STATUS, failed, report, usage_error};

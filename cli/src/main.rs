@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser, Subcommand};
-use sagabox::database::redact;
+use sagabox::logging::redact;
 use sagabox_cli::args;
 use sagabox_cli::telemetry::{LogFormat, init_tracing};
 

@@ -4,7 +4,8 @@
 use std::process::ExitCode;
 
 use sagabox::InboxConfig;
-use sagabox::database::{migrate, redact};
+use sagabox::database::migrate;
+use sagabox::logging::redact;
 use sagabox_cli::args::DEFAULT_DATABASE_URL;
 
 use crate::{emit, failed, usage_error};

@@ -37,7 +37,7 @@ async fn drive(
                 .map_err(InboxError::from)?;
             orchestrate(store, config, shutdown).await
         }
-        _ => Err(InboxError::UnsupportedUrl(sagabox::database::redact(url)).into()),
+        _ => Err(InboxError::UnsupportedUrl(sagabox::logging::redact(url)).into()),
     }
 }
 

@@ -3,7 +3,8 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use sagabox::database::{prune, prune_history, redact};
+use sagabox::database::{prune, prune_history};
+use sagabox::logging::redact;
 use sagabox_cli::args::{self, DEFAULT_DATABASE_URL};
 
 use crate::{emit, failed, usage_error};

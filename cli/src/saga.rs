@@ -183,9 +183,9 @@ pub(crate) async fn run(command: SagaCommand) -> Result<Answer, SagaCommandError
     match opened {
         Opened::Postgres(store) => on(&store, command).await,
         Opened::Sqlite(store) => on(&store, command).await,
-        _ => Err(
-            InboxError::UnsupportedUrl(sagabox::database::redact(command.database_url())).into(),
-        ),
+        _ => {
+            Err(InboxError::UnsupportedUrl(sagabox::logging::redact(command.database_url())).into())
+        }
     }
 }
 

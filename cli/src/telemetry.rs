@@ -22,7 +22,7 @@
 //!
 //! In JSON lines, lists are JSON lists ([`json_list`](sagabox::logging::json_list)).
 //! No span or event carries a database URL: URLs are logged only through
-//! [`redact`](sagabox::database::redact).
+//! [`redact`](sagabox::logging::redact).
 
 use std::fmt;
 use std::io::IsTerminal;

@@ -985,11 +985,7 @@ async fn serve_logs_when_it_is_up_and_when_it_stops() {
     assert_eq!(fields["version"], env!("CARGO_PKG_VERSION"), "{up}");
     assert_eq!(fields["database"], url, "{up}");
     let broker = fields["broker"].as_str().unwrap();
-    assert_eq!(
-        broker,
-        sagabox::database::redact(&rabbit.config.url),
-        "{up}"
-    );
+    assert_eq!(broker, sagabox::logging::redact(&rabbit.config.url), "{up}");
     assert!(broker.contains(":***@"), "the password redacted: {up}");
     // A list is a JSON list, not a string to parse again.
     let prefix = &rabbit.config.queue_prefix;

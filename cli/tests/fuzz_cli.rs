@@ -11,7 +11,7 @@ mod fuzzing;
 use fuzzing::{corpus, fragments, fuzz};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
-use sagabox::database::redact;
+use sagabox::logging::redact;
 use sagabox_cli::args::{self, ArgError};
 
 /// Generated passwords start and end with these marks; the rest of a generated URL is

@@ -9,8 +9,8 @@ use lapin::{Confirmation, PublisherConfirm};
 
 use super::codec;
 use super::config::{AmqpConfig, AmqpError, QueueType};
-use crate::database::redact;
 use crate::envelope::{ConsumerType, Envelope};
+use crate::logging::redact;
 use crate::tls::TlsFiles;
 
 /// Opens a connection to the broker in `config`, named `<prefix>/<role>` in the broker's

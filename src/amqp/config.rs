@@ -6,9 +6,9 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::database::redact;
 use crate::envelope::{ConsumerType, validate_key};
 use crate::inbox::InboxConfig;
+use crate::logging::redact;
 use crate::retention::RetentionError;
 use crate::tls::{LoadedTls, TlsError, TlsFiles};
 

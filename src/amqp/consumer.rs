@@ -39,9 +39,9 @@ use super::broker::{self, Publisher, Routing};
 use super::codec;
 use super::config::{AmqpConfig, AmqpError, QueueType};
 use crate::consumer::{Health, Next, Received, Retried, Source, Subscription};
+use crate::delivery::DeadReason;
 use crate::delivery::{ATTEMPTS_HEADER, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler};
 use crate::envelope::{ConsumerType, Envelope, MessageId};
-use crate::metrics::DeadReason;
 use crate::wire::Malformed;
 
 use crate::consumer::ConsumerHandle;

@@ -29,9 +29,9 @@ use serde::Serialize;
 use super::broker::{self, Publisher, Routing};
 use super::codec;
 use super::config::{AmqpConfig, AmqpError};
-use crate::database::redact;
+use crate::delivery::DeadReason;
 use crate::delivery::{ATTEMPTS_HEADER, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER};
-use crate::metrics::DeadReason;
+use crate::logging::redact;
 
 /// How the name of a dead-letter queue ends: `<source queue>.dead`.
 pub const DEAD_SUFFIX: &str = ".dead";

@@ -5,7 +5,7 @@ use sqlx::postgres::PgConnection;
 use sqlx::{AssertSqlSafe, Connection, Row};
 
 use super::{DuplicateReport, Facts, InspectError, SagaRow, database_error, merge_duplicates};
-use crate::database::redact;
+use crate::logging::redact;
 use crate::month::Month;
 use crate::schema::Schema;
 use crate::store::PARTITION_PREFIX;

@@ -7,8 +7,8 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
 use sqlx::{AssertSqlSafe, Connection, Row};
 
 use super::{DuplicateReport, Facts, InspectError, SagaRow, database_error, merge_duplicates};
-use crate::database::redact;
 use crate::database::{ConnectError, missing_sqlite_file};
+use crate::logging::redact;
 use crate::month::Month;
 use crate::store::PARTITION_PREFIX;
 

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use crate::database::redact;
 use crate::envelope::{ConsumerType, validate_key};
+use crate::logging::redact;
 use crate::retention::RetentionError;
 use crate::tls::{LoadedTls, TlsError, TlsFiles};
 

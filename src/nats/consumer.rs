@@ -36,10 +36,10 @@ use super::codec::{self, CORRELATION_ID_HEADER, REPLY_TO_HEADER};
 use super::config::{NatsConfig, NatsError};
 use super::jetstream::{self, RETENTION_SETTING};
 use crate::consumer::{Health, Next, Received, Retried, Source, Subscription};
+use crate::delivery::DeadReason;
 use crate::delivery::{DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler};
 use crate::envelope::{ConsumerType, Envelope, MessageId};
 use crate::inbox::InboxConfig;
-use crate::metrics::DeadReason;
 use crate::retention;
 use crate::wire::Malformed;
 

@@ -9,8 +9,8 @@ use async_nats::jetstream::{self as js, Context};
 use async_nats::{Client, ConnectOptions, HeaderMap};
 
 use super::config::{NatsConfig, NatsError};
-use crate::database::redact;
 use crate::envelope::ConsumerType;
+use crate::logging::redact;
 use crate::retention::Retention;
 
 /// How long connecting (TCP and the NATS handshake) may take.

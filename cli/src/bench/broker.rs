@@ -564,8 +564,8 @@ pub(crate) async fn run(args: BrokerBenchArgs) -> Result<BrokerBenchReport, BoxE
     .execute(&admin)
     .await?;
     Ok(BrokerBenchReport {
-        database: sagabox::database::redact(&args.database_url),
-        broker: sagabox::database::redact(&args.broker_url),
+        database: sagabox::logging::redact(&args.database_url),
+        broker: sagabox::logging::redact(&args.broker_url),
         prefetch: args.prefetch,
         workers: args.workers,
         duplicate_rate: args.duplicate_rate,

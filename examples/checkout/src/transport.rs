@@ -247,7 +247,8 @@ pub async fn serve(
     config: ServeConfig,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), DemoError> {
-    use sagabox::database::{Backend, redact};
+    use sagabox::database::Backend;
+    use sagabox::logging::redact;
     if !(0.0..1.0).contains(&config.fail_rate) {
         return Err(DemoError::Config(format!(
             "--fail-rate must be within 0..1, got {}",
@@ -381,7 +382,7 @@ where
         target: SERVE_TARGET,
         version = env!("CARGO_PKG_VERSION"),
         database,
-        broker = %sagabox::database::redact(config.transport.url()),
+        broker = %sagabox::logging::redact(config.transport.url()),
         queues = %sagabox::logging::json_list(&queues),
         orchestrator = config.orchestrator,
         workers = config.workers,
