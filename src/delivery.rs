@@ -16,7 +16,7 @@ pub const DEAD_DETAIL_HEADER: &str = "x-sagabox-dead-detail";
 /// The header counting a message's retryable failures.
 pub const ATTEMPTS_HEADER: &str = "x-sagabox-attempts";
 
-/// Why a message was dead-lettered: the `reason` label of [`DEAD_LETTERS_TOTAL`] and the
+/// Why a message was dead-lettered: the `reason` label of [`DEAD_LETTERS_TOTAL`](crate::metrics::DEAD_LETTERS_TOTAL) and the
 /// value of the RabbitMQ transport's `x-sagabox-dead-reason` header. [`DeadReason::ALL`]
 /// is the complete list, and the only values either carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
