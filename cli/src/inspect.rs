@@ -7,6 +7,8 @@ use std::time::Duration;
 use sagabox::inspect::{InspectOptions, inspect};
 use sagabox_cli::args::DEFAULT_DATABASE_URL;
 
+mod text;
+
 use crate::{failed, report, usage_error};
 
 use sagabox::InboxConfig;
@@ -100,7 +102,7 @@ pub(crate) async fn run(args: InspectArgs) -> Result<ExitCode, ExitCode> {
     }
     report(
         "inspect",
-        Ok::<_, std::convert::Infallible>(inspected),
+        Ok::<_, std::convert::Infallible>(text::Text(inspected)),
         json,
     )?;
     Ok(ExitCode::SUCCESS)
