@@ -386,17 +386,13 @@ fn assess(
     let config = &options.config;
     let ttl = to_delta(config.ttl);
     let retention = to_delta(config.broker_retention);
-    let mut warnings = Vec::new();
-
     let present: Vec<Month> = facts.partitions.iter().map(|(m, ..)| *m).collect();
-    let missing_ahead: Vec<Month> = match Month::of(now) {
-        Ok(current) => current
-            .through(current.plus(config.partitions_ahead))
-            .filter(|month| !present.contains(month))
-            .filter(|month| facts.pruned_through.is_none_or(|through| *month > through))
-            .collect(),
-        Err(_) => Vec::new(),
-    };
+    let missing_ahead = missing_ahead(&facts, &present, config.partitions_ahead, now);
+    let oldest = present.first().copied();
+    let covered_from = facts.pruned_through.map(Month::end);
+    let margin = covered_from.map(|from| (now - retention) - from);
+
+    let mut warnings = Vec::new();
     if !missing_ahead.is_empty() {
         let list: Vec<String> = missing_ahead.iter().map(ToString::to_string).collect();
         warnings.push(format!(
@@ -405,10 +401,84 @@ fn assess(
             list.join(", ")
         ));
     }
+    warnings.extend(retention_warnings(
+        covered_from,
+        margin,
+        (ttl, retention),
+        options,
+    ));
+    // Grace of a day: the pruner runs on an interval, not at the instant a month expires.
+    if let Some(month) = oldest
+        && month.end() + TimeDelta::days(1) <= now - ttl
+    {
+        warnings.push(format!(
+            "partition {month} expired more than a day ago and is still here: is the pruner \
+             running? Run `sagabox prune` by hand and check its errors"
+        ));
+    }
+    warnings.extend(saga_warnings(&facts, options, now));
+    if let Some(at) = facts.oldest_pending_at
+        && now - at > to_delta(options.outbox_stalled_after)
+    {
+        warnings.push(format!(
+            "{} outbox rows pending, the oldest written {}: is the relay running? \
+             See \"growing outbox\" in docs/operations.md",
+            facts.outbox_pending,
+            at.to_rfc3339()
+        ));
+    }
 
-    let oldest = present.first().copied();
-    let covered_from = facts.pruned_through.map(Month::end);
-    let margin = covered_from.map(|from| (now - retention) - from);
+    InspectReport {
+        database,
+        backend,
+        at: now,
+        partitions: partition_reports(&facts),
+        missing_ahead: missing_ahead.iter().map(ToString::to_string).collect(),
+        retention: RetentionReport {
+            ttl_days: days(ttl),
+            broker_retention_days: days(retention),
+            oldest_partition: oldest.map(|m| m.to_string()),
+            oldest_partition_age_days: oldest.map(|m| days(now - m.start())),
+            pruned_through: facts.pruned_through.map(|m| m.to_string()),
+            covered_from,
+            margin_days: margin.map(days),
+        },
+        duplicate_deliveries: facts.duplicates,
+        sagas: SagaReport {
+            by_status: facts.sagas_by_status,
+            oldest_unfinished: facts.oldest_unfinished,
+        },
+        outbox: OutboxReport {
+            pending: facts.outbox_pending,
+            oldest_pending_at: facts.oldest_pending_at,
+        },
+        warnings,
+        broker_queues: Vec::new(),
+    }
+}
+
+/// The months from the current one to `ahead` months on that have no partition and were
+/// not pruned.
+fn missing_ahead(facts: &Facts, present: &[Month], ahead: u32, now: DateTime<Utc>) -> Vec<Month> {
+    let Ok(current) = Month::of(now) else {
+        return Vec::new();
+    };
+    current
+        .through(current.plus(ahead))
+        .filter(|month| !present.contains(month))
+        .filter(|month| facts.pruned_through.is_none_or(|through| *month > through))
+        .collect()
+}
+
+/// Warnings about how far back the inbox deduplicates (from `covered_from`, `margin`
+/// over the broker's window) against `(ttl, retention)`.
+fn retention_warnings(
+    covered_from: Option<DateTime<Utc>>,
+    margin: Option<TimeDelta>,
+    (ttl, retention): (TimeDelta, TimeDelta),
+    options: &InspectOptions,
+) -> Vec<String> {
+    let mut warnings = Vec::new();
     if let Some(margin) = margin {
         if margin < TimeDelta::zero() {
             warnings.push(format!(
@@ -436,16 +506,12 @@ fn assess(
             days(retention)
         ));
     }
-    // Grace of a day: the pruner runs on an interval, not at the instant a month expires.
-    if let Some(month) = oldest
-        && month.end() + TimeDelta::days(1) <= now - ttl
-    {
-        warnings.push(format!(
-            "partition {month} expired more than a day ago and is still here: is the pruner \
-             running? Run `sagabox prune` by hand and check its errors"
-        ));
-    }
+    warnings
+}
 
+/// Warnings about a saga unfinished for too long and sagas parked for an operator.
+fn saga_warnings(facts: &Facts, options: &InspectOptions, now: DateTime<Utc>) -> Vec<String> {
+    let mut warnings = Vec::new();
     if let Some(saga) = &facts.oldest_unfinished
         && now - saga.created_at > to_delta(options.stuck_after)
     {
@@ -470,57 +536,25 @@ fn assess(
              docs/operations.md"
         ));
     }
-    if let Some(at) = facts.oldest_pending_at
-        && now - at > to_delta(options.outbox_stalled_after)
-    {
-        warnings.push(format!(
-            "{} outbox rows pending, the oldest written {}: is the relay running? \
-             See \"growing outbox\" in docs/operations.md",
-            facts.outbox_pending,
-            at.to_rfc3339()
-        ));
-    }
+    warnings
+}
 
-    InspectReport {
-        database,
-        backend,
-        at: now,
-        partitions: facts
-            .partitions
-            .iter()
-            .map(|(month, rows, bytes)| {
-                let span = facts.spans.iter().find(|(m, ..)| m == month);
-                PartitionReport {
-                    month: month.to_string(),
-                    rows: *rows,
-                    bytes: *bytes,
-                    oldest_at: span.map(|(_, oldest, _)| *oldest),
-                    newest_at: span.map(|(.., newest)| *newest),
-                }
-            })
-            .collect(),
-        missing_ahead: missing_ahead.iter().map(ToString::to_string).collect(),
-        retention: RetentionReport {
-            ttl_days: days(ttl),
-            broker_retention_days: days(retention),
-            oldest_partition: oldest.map(|m| m.to_string()),
-            oldest_partition_age_days: oldest.map(|m| days(now - m.start())),
-            pruned_through: facts.pruned_through.map(|m| m.to_string()),
-            covered_from,
-            margin_days: margin.map(days),
-        },
-        duplicate_deliveries: facts.duplicates,
-        sagas: SagaReport {
-            by_status: facts.sagas_by_status,
-            oldest_unfinished: facts.oldest_unfinished,
-        },
-        outbox: OutboxReport {
-            pending: facts.outbox_pending,
-            oldest_pending_at: facts.oldest_pending_at,
-        },
-        warnings,
-        broker_queues: Vec::new(),
-    }
+/// Each partition's rows and size, with the span of its rows' times.
+fn partition_reports(facts: &Facts) -> Vec<PartitionReport> {
+    facts
+        .partitions
+        .iter()
+        .map(|(month, rows, bytes)| {
+            let span = facts.spans.iter().find(|(m, ..)| m == month);
+            PartitionReport {
+                month: month.to_string(),
+                rows: *rows,
+                bytes: *bytes,
+                oldest_at: span.map(|(_, oldest, _)| *oldest),
+                newest_at: span.map(|(.., newest)| *newest),
+            }
+        })
+        .collect()
 }
 
 /// Adds `(consumer_type, last_hour, last_day, in_inbox)` counts into `into`, keeping it
