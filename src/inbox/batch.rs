@@ -138,61 +138,14 @@ impl<S: InboxStore> InboxGuard<S> {
             return Ok(Vec::new());
         }
         let now = self.now();
-
-        // Place every envelope; refusals stay in their slot.
-        let mut slots: Vec<Slot<'_>> = envelopes
-            .iter()
-            .map(
-                |envelope| match self.placement(consumer_type, envelope, now) {
-                    Ok(key) => Slot::Pending(key),
-                    Err(refused) => Slot::Refused(refused),
-                },
-            )
-            .collect();
-        for slot in &mut slots {
-            let Slot::Pending(key) = slot else {
-                continue;
-            };
-            match self.ensure_partition(key.bucket).await {
-                Ok(()) => {}
-                Err(refused @ InboxError::PartitionPruned(_)) => *slot = Slot::Refused(refused),
-                Err(error) => return Err(error.into()),
-            }
-        }
-        // One key per message id: a repeat within the batch is a duplicate of its first.
-        let mut keys: Vec<ClaimKey<'_>> = Vec::new();
-        let mut envelope_of: Vec<&Envelope> = Vec::new();
-        let mut index_of: HashMap<&str, usize> = HashMap::new();
-        for (slot, envelope) in slots.iter_mut().zip(envelopes) {
-            if let Slot::Pending(key) = *slot {
-                *slot = match index_of.get(key.message_id.as_str()) {
-                    Some(&index) => Slot::Repeat(index),
-                    None => {
-                        index_of.insert(key.message_id.as_str(), keys.len());
-                        keys.push(key);
-                        envelope_of.push(envelope);
-                        Slot::Claimed(keys.len() - 1)
-                    }
-                };
-            }
-        }
+        let mut slots = self.place(consumer_type, envelopes, now).await?;
+        let (keys, envelope_of) = first_of_each(&mut slots, envelopes);
 
         // As for a single claim: a handler that records no result lets the claim write
         // the fresh keys' rows in its own statement.
         let write_rows_at = (!self.records_results(consumer_type)).then_some(now);
         let claim_started = Instant::now();
-        let (mut tx, claims) = match self.store().begin_batch_claim(&keys, write_rows_at).await {
-            Err(error) if S::is_missing_partition(&error) => {
-                // A month dropped by a pruner since we cached it: ask again (a pruned
-                // month is refused, never recreated), then claim once more.
-                for key in &keys {
-                    self.forget_partition(key.bucket);
-                    self.ensure_partition(key.bucket).await?;
-                }
-                self.store().begin_batch_claim(&keys, write_rows_at).await?
-            }
-            claimed => claimed?,
-        };
+        let (mut tx, claims) = self.claim_batch(&keys, write_rows_at).await?;
         metrics::claim_duration(consumer_type, claim_started.elapsed());
 
         // Per claimed key: its first delivery, or None while it waits for its result.
@@ -273,31 +226,57 @@ impl<S: InboxStore> InboxGuard<S> {
         } else {
             tx.rollback().await?;
         }
+        Ok(answers(slots, claimed, results, now))
+    }
 
-        let mut results = results.into_iter();
-        let claimed: Vec<Outcome> = claimed
-            .into_iter()
-            .map(|first| match first {
-                Some(duplicate) => duplicate,
-                // One result per fresh key, in order: checked above.
-                None => Outcome::Applied(results.next().unwrap_or_default()),
-            })
+    /// Each envelope's slot: its claim key, its month's partition made sure of, or the
+    /// reason it is refused before the claim (expired, in the future, pruned month).
+    async fn place<'a>(
+        &self,
+        consumer_type: &'a ConsumerType,
+        envelopes: &'a [Envelope],
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> Result<Vec<Slot<'a>>, InboxError> {
+        let mut slots: Vec<Slot<'a>> = envelopes
+            .iter()
+            .map(
+                |envelope| match self.placement(consumer_type, envelope, now) {
+                    Ok(key) => Slot::Pending(key),
+                    Err(refused) => Slot::Refused(refused),
+                },
+            )
             .collect();
-        Ok(slots
-            .into_iter()
-            .map(|slot| match slot {
-                Slot::Refused(refused) => Err(refused),
-                Slot::Claimed(index) => Ok(claimed[index].clone()),
-                Slot::Repeat(index) => Ok(match &claimed[index] {
-                    Outcome::Applied(result) => Outcome::Duplicate {
-                        first_processed_at: now,
-                        result: result.clone(),
-                    },
-                    duplicate => duplicate.clone(),
-                }),
-                Slot::Pending(_) => unreachable!("every pending slot was claimed or repeated"),
-            })
-            .collect())
+        for slot in &mut slots {
+            let Slot::Pending(key) = slot else {
+                continue;
+            };
+            match self.ensure_partition(key.bucket).await {
+                Ok(()) => {}
+                Err(refused @ InboxError::PartitionPruned(_)) => *slot = Slot::Refused(refused),
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(slots)
+    }
+
+    /// Claims `keys` in one transaction. A month dropped by a pruner since it was cached
+    /// is asked for again (a pruned month is refused, never recreated) and the claim
+    /// made once more.
+    async fn claim_batch(
+        &self,
+        keys: &[ClaimKey<'_>],
+        write_rows_at: Option<chrono::DateTime<chrono::Utc>>,
+    ) -> Result<crate::store::BatchClaim<S::Db>, InboxError> {
+        match self.store().begin_batch_claim(keys, write_rows_at).await {
+            Err(error) if S::is_missing_partition(&error) => {
+                for key in keys {
+                    self.forget_partition(key.bucket);
+                    self.ensure_partition(key.bucket).await?;
+                }
+                Ok(self.store().begin_batch_claim(keys, write_rows_at).await?)
+            }
+            claimed => Ok(claimed?),
+        }
     }
 
     /// Records the handler's results of a batch's fresh keys (`results[i]` for
@@ -349,4 +328,64 @@ impl<S: InboxStore> InboxGuard<S> {
         }
         Ok(())
     }
+}
+
+/// One key per message id: the first entry of an id becomes `Claimed` (its key and
+/// envelope returned, in order), a later one a `Repeat` of it.
+fn first_of_each<'a>(
+    slots: &mut [Slot<'a>],
+    envelopes: &'a [Envelope],
+) -> (Vec<ClaimKey<'a>>, Vec<&'a Envelope>) {
+    let mut keys: Vec<ClaimKey<'a>> = Vec::new();
+    let mut envelope_of: Vec<&'a Envelope> = Vec::new();
+    let mut index_of: HashMap<&str, usize> = HashMap::new();
+    for (slot, envelope) in slots.iter_mut().zip(envelopes) {
+        if let Slot::Pending(key) = *slot {
+            *slot = match index_of.get(key.message_id.as_str()) {
+                Some(&index) => Slot::Repeat(index),
+                None => {
+                    index_of.insert(key.message_id.as_str(), keys.len());
+                    keys.push(key);
+                    envelope_of.push(envelope);
+                    Slot::Claimed(keys.len() - 1)
+                }
+            };
+        }
+    }
+    (keys, envelope_of)
+}
+
+/// Each envelope's answer, in input order: a refusal, its claim's outcome (`claimed`,
+/// with the handler's `results` in order for the fresh ones), or for a repeat within the
+/// batch a duplicate of its first entry.
+fn answers(
+    slots: Vec<Slot<'_>>,
+    claimed: Vec<Option<Outcome>>,
+    results: Vec<Value>,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Vec<Result<Outcome, InboxError>> {
+    let mut results = results.into_iter();
+    let claimed: Vec<Outcome> = claimed
+        .into_iter()
+        .map(|first| match first {
+            Some(duplicate) => duplicate,
+            // One result per fresh key, in order: checked by the caller.
+            None => Outcome::Applied(results.next().unwrap_or_default()),
+        })
+        .collect();
+    slots
+        .into_iter()
+        .map(|slot| match slot {
+            Slot::Refused(refused) => Err(refused),
+            Slot::Claimed(index) => Ok(claimed[index].clone()),
+            Slot::Repeat(index) => Ok(match &claimed[index] {
+                Outcome::Applied(result) => Outcome::Duplicate {
+                    first_processed_at: now,
+                    result: result.clone(),
+                },
+                duplicate => duplicate.clone(),
+            }),
+            Slot::Pending(_) => unreachable!("every pending slot was claimed or repeated"),
+        })
+        .collect()
 }
