@@ -144,46 +144,73 @@ pub(crate) async fn postgres(
         }
     }
     if tables.iter().any(|table| table == LEGACY_SAGA_TABLE) {
-        let saga_table = schema.table(LEGACY_SAGA_TABLE);
-        let constraints: Vec<String> = sqlx::query_scalar(
-            "SELECT conname::text FROM pg_constraint WHERE conrelid = to_regclass($1) \
-              AND conname LIKE 'saga\\_instances\\_%'",
-        )
-        .bind(&saga_table)
-        .fetch_all(&mut *tx)
-        .await?;
-        for constraint in constraints {
-            sqlx::query(AssertSqlSafe(format!(
-                "ALTER TABLE {saga_table} RENAME CONSTRAINT {constraint} TO sagabox_{constraint}"
-            )))
-            .execute(&mut *tx)
-            .await?;
-        }
-        let indexes: Vec<String> = sqlx::query_scalar(
-            "SELECT indexname::text FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 \
-              AND indexname LIKE 'saga\\_instances\\_%'",
-        )
-        .bind(schema.name())
-        .bind(LEGACY_SAGA_TABLE)
-        .fetch_all(&mut *tx)
-        .await?;
-        for index in indexes {
-            sqlx::query(AssertSqlSafe(format!(
-                "ALTER INDEX {} RENAME TO sagabox_{index}",
-                schema.table(&index)
-            )))
-            .execute(&mut *tx)
-            .await?;
-        }
+        rename_saga_table(&mut tx, schema).await?;
+    }
+    move_migration_records(&mut tx, schema, &old, migrations, &applied).await?;
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// Gives the first release's saga table, its constraints and its indexes (already in
+/// `schema`) the names of this one.
+#[cfg(feature = "postgres")]
+async fn rename_saga_table(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    schema: &Schema,
+) -> Result<(), MigrateError> {
+    let saga_table = schema.table(LEGACY_SAGA_TABLE);
+    let constraints: Vec<String> = sqlx::query_scalar(
+        "SELECT conname::text FROM pg_constraint WHERE conrelid = to_regclass($1) \
+          AND conname LIKE 'saga\\_instances\\_%'",
+    )
+    .bind(&saga_table)
+    .fetch_all(&mut **tx)
+    .await?;
+    for constraint in constraints {
         sqlx::query(AssertSqlSafe(format!(
-            "ALTER TABLE {saga_table} RENAME TO {SAGA_TABLE}"
+            "ALTER TABLE {saga_table} RENAME CONSTRAINT {constraint} TO sagabox_{constraint}"
         )))
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
     }
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT indexname::text FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 \
+          AND indexname LIKE 'saga\\_instances\\_%'",
+    )
+    .bind(schema.name())
+    .bind(LEGACY_SAGA_TABLE)
+    .fetch_all(&mut **tx)
+    .await?;
+    for index in indexes {
+        sqlx::query(AssertSqlSafe(format!(
+            "ALTER INDEX {} RENAME TO sagabox_{index}",
+            schema.table(&index)
+        )))
+        .execute(&mut **tx)
+        .await?;
+    }
+    sqlx::query(AssertSqlSafe(format!(
+        "ALTER TABLE {saga_table} RENAME TO {SAGA_TABLE}"
+    )))
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Moves the records of the migrations `applied` from the first release's migrations
+/// table in schema `old` to `schema`'s, with the checksums of `migrations`; drops the old
+/// table when nothing else is left in it.
+#[cfg(feature = "postgres")]
+async fn move_migration_records(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    schema: &Schema,
+    old: &str,
+    migrations: &'static Migrator,
+    applied: &[i64],
+) -> Result<(), MigrateError> {
     let table = schema.table(MIGRATIONS_TABLE);
     tx.ensure_migrations_table(&table).await?;
-    let checksums = current_checksums(migrations, &applied);
+    let checksums = current_checksums(migrations, applied);
     let (versions, sums): (Vec<i64>, Vec<Vec<u8>>) = checksums.into_iter().unzip();
     sqlx::query(AssertSqlSafe(format!(
         "INSERT INTO {table} (version, description, installed_on, success, checksum, execution_time) \
@@ -193,28 +220,27 @@ pub(crate) async fn postgres(
     )))
     .bind(&versions)
     .bind(&sums)
-    .execute(&mut *tx)
+    .execute(&mut **tx)
     .await?;
     sqlx::query(AssertSqlSafe(format!(
         "DELETE FROM {old}.{LEGACY_MIGRATIONS_TABLE} WHERE version = ANY($1)"
     )))
     .bind(&versions)
-    .execute(&mut *tx)
+    .execute(&mut **tx)
     .await?;
     let left: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT COUNT(*) FROM {old}.{LEGACY_MIGRATIONS_TABLE}"
     )))
-    .fetch_one(&mut *tx)
+    .fetch_one(&mut **tx)
     .await?;
     if left == 0 {
         sqlx::query(AssertSqlSafe(format!(
             "DROP TABLE {old}.{LEGACY_MIGRATIONS_TABLE}"
         )))
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
     }
-    tx.commit().await?;
-    Ok(true)
+    Ok(())
 }
 
 /// Runs `migrations` into `schema` on `conn`, a connection of its own: moves a
