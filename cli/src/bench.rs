@@ -812,6 +812,18 @@ fn scratch_file(url: &str) -> Result<std::path::PathBuf, BoxError> {
 /// Runs the benchmark on a scratch schema (PostgreSQL) or a scratch file (SQLite) that is
 /// removed afterwards, so it never touches the data at `database_url`.
 pub(crate) async fn run(args: BenchArgs) -> Result<BenchReport, BoxError> {
+    let backend = validate(&args)?;
+    let connections = u32::try_from(args.concurrency).unwrap_or(u32::MAX);
+    let (results, scale, pruning) = match backend {
+        Backend::Postgres => on_postgres(&args, connections).await?,
+        Backend::Sqlite => (on_sqlite(&args, connections).await?, None, None),
+        _ => return Err(format!("unsupported database url {}", redact(&args.database_url)).into()),
+    };
+    Ok(report(&args, results, scale, pruning))
+}
+
+/// Refuses arguments the benchmark cannot run with; the backend the URL names.
+fn validate(args: &BenchArgs) -> Result<Backend, BoxError> {
     if !(0.0..=1.0).contains(&args.duplicate_rate) {
         return Err(format!(
             "--duplicate-rate must be within 0..=1, got {}",
@@ -835,79 +847,99 @@ pub(crate) async fn run(args: BenchArgs) -> Result<BenchReport, BoxError> {
                 .into(),
         );
     }
-    let connections = u32::try_from(args.concurrency).unwrap_or(u32::MAX);
+    Ok(backend)
+}
+
+/// The runs on a scratch schema of the PostgreSQL database, dropped afterwards, with the
+/// prefilled-inbox and pruning measures when asked for.
+async fn on_postgres(
+    args: &BenchArgs,
+    connections: u32,
+) -> Result<
+    (
+        Vec<ModeRun>,
+        Option<scale::ScaleReport>,
+        Option<scale::PruneReport>,
+    ),
+    BoxError,
+> {
     let mut scale = None;
     let mut pruning = None;
-    let results = match backend {
-        Backend::Postgres => {
-            let schema = format!("sagabox_bench_{}", std::process::id());
-            // Through the store's connect, whose error names the host and port.
-            let admin = PostgresStore::connect(&args.database_url, 1)
-                .await?
-                .pool()
-                .clone();
-            sqlx::raw_sql(AssertSqlSafe(format!(
-                "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
-            )))
-            .execute(&admin)
-            .await?;
-            let options = PgConnectOptions::from_str(&args.database_url)?
-                .options([("search_path", schema.as_str())]);
-            let pool = PgPoolOptions::new()
-                .max_connections(connections)
-                .test_before_acquire(false)
-                .connect_with(options.clone())
-                .await?;
-            let outcome = async {
-                sqlx::raw_sql(PG_SETUP).execute(&pool).await?;
-                // sagabox's tables in the scratch schema too, beside the baseline's.
-                let store = PostgresStore::new(pool.clone()).with_schema(Schema::new(&schema)?);
-                let guard = InboxGuard::new(store, InboxConfig::default())?;
-                guard.migrate().await?;
-                let results = run_postgres(pool.clone(), guard.clone(), &args).await?;
-                if args.prefill > 0 {
-                    let empty = results
-                        .iter()
-                        .find(|run| run.mode == Mode::Guard)
-                        .map(|run| run.latencies.len() as f64 / run.elapsed.as_secs_f64())
-                        .ok_or("no guard run to compare the prefilled inbox with")?;
-                    scale = Some(scale::prefill(&pool, &guard, &args, empty).await?);
-                }
-                if args.prune_rows > 0 {
-                    pruning = Some(scale::prune(&options, &guard, &args).await?);
-                }
-                Ok::<_, BoxError>(results)
-            }
-            .await;
-            pool.close().await;
-            sqlx::raw_sql(AssertSqlSafe(format!(
-                "DROP SCHEMA IF EXISTS {schema} CASCADE"
-            )))
-            .execute(&admin)
-            .await?;
-            outcome?
+    let schema = format!("sagabox_bench_{}", std::process::id());
+    // Through the store's connect, whose error names the host and port.
+    let admin = PostgresStore::connect(&args.database_url, 1)
+        .await?
+        .pool()
+        .clone();
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
+    )))
+    .execute(&admin)
+    .await?;
+    let options =
+        PgConnectOptions::from_str(&args.database_url)?.options([("search_path", schema.as_str())]);
+    let pool = PgPoolOptions::new()
+        .max_connections(connections)
+        .test_before_acquire(false)
+        .connect_with(options.clone())
+        .await?;
+    let outcome = async {
+        sqlx::raw_sql(PG_SETUP).execute(&pool).await?;
+        // sagabox's tables in the scratch schema too, beside the baseline's.
+        let store = PostgresStore::new(pool.clone()).with_schema(Schema::new(&schema)?);
+        let guard = InboxGuard::new(store, InboxConfig::default())?;
+        guard.migrate().await?;
+        let results = run_postgres(pool.clone(), guard.clone(), args).await?;
+        if args.prefill > 0 {
+            let empty = results
+                .iter()
+                .find(|run| run.mode == Mode::Guard)
+                .map(|run| run.latencies.len() as f64 / run.elapsed.as_secs_f64())
+                .ok_or("no guard run to compare the prefilled inbox with")?;
+            scale = Some(scale::prefill(&pool, &guard, args, empty).await?);
         }
-        Backend::Sqlite => {
-            let path = scratch_file(&args.database_url)?;
-            let url = format!("sqlite:{}", path.display());
-            let store = SqliteStore::connect(&url, connections).await?;
-            let pool = store.pool().clone();
-            let outcome = async {
-                sqlx::raw_sql(SQLITE_SETUP).execute(&pool).await?;
-                let guard = InboxGuard::new(store, InboxConfig::default())?;
-                guard.migrate().await?;
-                run_sqlite(pool.clone(), guard, &args).await
-            }
-            .await;
-            pool.close().await;
-            for suffix in ["", "-wal", "-shm"] {
-                let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
-            }
-            outcome?
+        if args.prune_rows > 0 {
+            pruning = Some(scale::prune(&options, &guard, args).await?);
         }
-        _ => return Err(format!("unsupported database url {}", redact(&args.database_url)).into()),
-    };
+        Ok::<_, BoxError>(results)
+    }
+    .await;
+    pool.close().await;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP SCHEMA IF EXISTS {schema} CASCADE"
+    )))
+    .execute(&admin)
+    .await?;
+    Ok((outcome?, scale, pruning))
+}
 
+/// The runs on a scratch SQLite file beside the one named, removed afterwards.
+async fn on_sqlite(args: &BenchArgs, connections: u32) -> Result<Vec<ModeRun>, BoxError> {
+    let path = scratch_file(&args.database_url)?;
+    let url = format!("sqlite:{}", path.display());
+    let store = SqliteStore::connect(&url, connections).await?;
+    let pool = store.pool().clone();
+    let outcome = async {
+        sqlx::raw_sql(SQLITE_SETUP).execute(&pool).await?;
+        let guard = InboxGuard::new(store, InboxConfig::default())?;
+        guard.migrate().await?;
+        run_sqlite(pool.clone(), guard, args).await
+    }
+    .await;
+    pool.close().await;
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+    outcome
+}
+
+/// The report of `results`: each mode's rate, latencies and ratio to raw SQL.
+fn report(
+    args: &BenchArgs,
+    results: Vec<ModeRun>,
+    scale: Option<scale::ScaleReport>,
+    pruning: Option<scale::PruneReport>,
+) -> BenchReport {
     let rate =
         |latencies: &[Duration], elapsed: Duration| latencies.len() as f64 / elapsed.as_secs_f64();
     let raw_rate = results
@@ -930,7 +962,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<BenchReport, BoxError> {
             rss_mb_end: run.rss_end,
         });
     }
-    Ok(BenchReport {
+    BenchReport {
         database: redact(&args.database_url),
         concurrency: args.concurrency,
         duplicate_rate: args.duplicate_rate,
@@ -942,7 +974,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<BenchReport, BoxError> {
         modes,
         scale,
         pruning,
-    })
+    }
 }
 
 impl std::fmt::Display for BenchReport {

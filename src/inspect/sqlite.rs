@@ -4,7 +4,7 @@ use std::str::FromStr;
 
 use chrono::{DateTime, Utc};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
-use sqlx::{AssertSqlSafe, Connection, Row};
+use sqlx::{AssertSqlSafe, Connection, Row, Sqlite, Transaction};
 
 use super::{DuplicateReport, Facts, InspectError, SagaRow, database_error, merge_duplicates};
 use crate::database::{ConnectError, missing_sqlite_file};
@@ -15,6 +15,21 @@ use crate::store::PARTITION_PREFIX;
 /// Reads every figure; `windows` are the starts of the last hour and the last day.
 pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Facts, InspectError> {
     let failed = database_error(url);
+    let mut conn = open(url).await?;
+    // A deferred transaction that only reads: one snapshot for every figure.
+    let mut tx = conn.begin().await.map_err(&failed)?;
+    let mut facts = Facts::default();
+    inbox_facts(&mut tx, windows, &mut facts)
+        .await
+        .map_err(&failed)?;
+    saga_facts(&mut tx, &mut facts).await.map_err(&failed)?;
+    outbox_facts(&mut tx, &mut facts).await.map_err(&failed)?;
+    tx.rollback().await.map_err(&failed)?;
+    Ok(facts)
+}
+
+/// The connection to the migrated database at `url`; never creates a file.
+async fn open(url: &str) -> Result<SqliteConnection, InspectError> {
     // Never create a file: inspecting a mistyped path must fail, not make an empty db.
     if let Some(what) = missing_sqlite_file(url)? {
         return Err(InspectError::NotMigrated {
@@ -30,17 +45,21 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
         .await
         .map_err(|error| ConnectError::new(url, error))?;
     check_migrated(url, &mut conn).await?;
-    // A deferred transaction that only reads: one snapshot for every figure.
-    let mut tx = conn.begin().await.map_err(&failed)?;
-    let mut facts = Facts::default();
+    Ok(conn)
+}
 
+/// The inbox's monthly tables: rows, size, the span of their times, duplicates.
+async fn inbox_facts(
+    tx: &mut Transaction<'_, Sqlite>,
+    windows: [DateTime<Utc>; 2],
+    facts: &mut Facts,
+) -> Result<(), sqlx::Error> {
     let tables: Vec<String> = sqlx::query_scalar(
         "SELECT name FROM sqlite_master WHERE type = 'table' \
            AND name GLOB 'sagabox_inbox_[0-9][0-9][0-9][0-9]_[0-9][0-9]'",
     )
-    .fetch_all(&mut *tx)
-    .await
-    .map_err(&failed)?;
+    .fetch_all(&mut **tx)
+    .await?;
     for table in tables {
         // Only names that parse as a month go into SQL text.
         let Some(month) = Month::from_table_name(PARTITION_PREFIX, &table) else {
@@ -51,9 +70,8 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
             sqlx::query_as(AssertSqlSafe(format!(
                 "SELECT COUNT(*), MIN(processed_at), MAX(processed_at) FROM {table}"
             )))
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(&failed)?;
+            .fetch_one(&mut **tx)
+            .await?;
         if let (Some(oldest), Some(newest)) = (oldest, newest) {
             facts.spans.push((month, oldest, newest));
         }
@@ -62,7 +80,7 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
         let bytes: Option<i64> =
             sqlx::query_scalar("SELECT SUM(pgsize) FROM dbstat WHERE name = $1")
                 .bind(&table)
-                .fetch_one(&mut *tx)
+                .fetch_one(&mut **tx)
                 .await
                 .ok()
                 .flatten();
@@ -77,17 +95,17 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
         )))
         .bind(windows[0])
         .bind(windows[1])
-        .fetch_all(&mut *tx)
+        .fetch_all(&mut **tx)
         .await
-        .map_err(&failed)?;
+        ?;
         for row in duplicates {
             merge_duplicates(
                 &mut facts.duplicates,
                 DuplicateReport {
-                    consumer_type: row.try_get("consumer_type").map_err(&failed)?,
-                    last_hour: row.try_get("last_hour").map_err(&failed)?,
-                    last_day: row.try_get("last_day").map_err(&failed)?,
-                    in_inbox: row.try_get("in_inbox").map_err(&failed)?,
+                    consumer_type: row.try_get("consumer_type")?,
+                    last_hour: row.try_get("last_hour")?,
+                    last_day: row.try_get("last_day")?,
+                    in_inbox: row.try_get("in_inbox")?,
                 },
             );
         }
@@ -96,23 +114,28 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
 
     let pruned: Option<String> =
         sqlx::query_scalar("SELECT pruned_through FROM sagabox_inbox_pruned")
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(&failed)?;
+            .fetch_optional(&mut **tx)
+            .await?;
     facts.pruned_through = pruned.and_then(|text| text.parse().ok());
 
+    Ok(())
+}
+
+/// Sagas by state, and the oldest unfinished one that is not parked.
+async fn saga_facts(
+    tx: &mut Transaction<'_, Sqlite>,
+    facts: &mut Facts,
+) -> Result<(), sqlx::Error> {
     let statuses = sqlx::query(
         "SELECT CASE WHEN parked_reason IS NULL THEN status ELSE 'parked' END AS state, \
                 COUNT(*) AS n FROM sagabox_saga_instances GROUP BY 1",
     )
-    .fetch_all(&mut *tx)
-    .await
-    .map_err(&failed)?;
+    .fetch_all(&mut **tx)
+    .await?;
     for row in statuses {
-        facts.sagas_by_status.insert(
-            row.try_get("state").map_err(&failed)?,
-            row.try_get("n").map_err(&failed)?,
-        );
+        facts
+            .sagas_by_status
+            .insert(row.try_get("state")?, row.try_get("n")?);
     }
     // Timestamps are RFC 3339 text in UTC, which sorts in time order.
     let oldest = sqlx::query(
@@ -120,9 +143,9 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
          FROM sagabox_saga_instances WHERE status IN ('running', 'compensating') AND parked_reason IS NULL \
          ORDER BY created_at LIMIT 1",
     )
-    .fetch_optional(&mut *tx)
+    .fetch_optional(&mut **tx)
     .await
-    .map_err(&failed)?;
+    ?;
     facts.oldest_unfinished = oldest
         .map(|row| {
             Ok::<_, sqlx::Error>(SagaRow {
@@ -136,22 +159,26 @@ pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Fact
                 last_error: row.try_get("last_error")?,
             })
         })
-        .transpose()
-        .map_err(&failed)?;
+        .transpose()?;
 
+    Ok(())
+}
+
+/// The outbox's pending rows and the oldest one's time.
+async fn outbox_facts(
+    tx: &mut Transaction<'_, Sqlite>,
+    facts: &mut Facts,
+) -> Result<(), sqlx::Error> {
     facts.outbox_pending =
         sqlx::query_scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(&failed)?;
+            .fetch_one(&mut **tx)
+            .await?;
     facts.oldest_pending_at = sqlx::query_scalar(
         "SELECT created_at FROM sagabox_outbox WHERE sent_at IS NULL ORDER BY created_at LIMIT 1",
     )
-    .fetch_optional(&mut *tx)
-    .await
-    .map_err(&failed)?;
-    tx.rollback().await.map_err(&failed)?;
-    Ok(facts)
+    .fetch_optional(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 /// Refuses a database where any of this version's migrations has not run.
