@@ -355,22 +355,8 @@ pub(super) async fn prune(
     for task in tasks {
         samples.extend(task.await??);
     }
-    let overlaps = |(start, latency): (Duration, Duration), (from, to): (Duration, Duration)| {
-        start <= to && start + latency >= from
-    };
-    let (mut outside, mut during_delete, mut during_drop) = (Vec::new(), Vec::new(), Vec::new());
-    for sample in samples {
-        if overlaps(sample, delete_window) {
-            during_delete.push(sample.1);
-        } else if overlaps(sample, drop_window) {
-            during_drop.push(sample.1);
-        } else {
-            outside.push(sample.1);
-        }
-    }
-    for list in [&mut outside, &mut during_delete, &mut during_drop] {
-        list.sort_unstable();
-    }
+    let [outside, during_delete, during_drop] =
+        split_by_window(samples, delete_window, drop_window);
     admin.close().await;
     Ok(PruneReport {
         rows,
@@ -389,6 +375,32 @@ pub(super) async fn prune(
         p99_us_during_delete: percentile(&during_delete, 0.99),
         p99_us_during_drop: percentile(&during_drop, 0.99),
     })
+}
+
+/// The latencies of claim `samples` (start, latency) that overlapped no window, the
+/// delete's window and the drop's, each sorted.
+fn split_by_window(
+    samples: Vec<(Duration, Duration)>,
+    delete_window: (Duration, Duration),
+    drop_window: (Duration, Duration),
+) -> [Vec<Duration>; 3] {
+    let overlaps = |(start, latency): (Duration, Duration), (from, to): (Duration, Duration)| {
+        start <= to && start + latency >= from
+    };
+    let (mut outside, mut during_delete, mut during_drop) = (Vec::new(), Vec::new(), Vec::new());
+    for sample in samples {
+        if overlaps(sample, delete_window) {
+            during_delete.push(sample.1);
+        } else if overlaps(sample, drop_window) {
+            during_drop.push(sample.1);
+        } else {
+            outside.push(sample.1);
+        }
+    }
+    for list in [&mut outside, &mut during_delete, &mut during_drop] {
+        list.sort_unstable();
+    }
+    [outside, during_delete, during_drop]
 }
 
 impl std::fmt::Display for ScaleReport {

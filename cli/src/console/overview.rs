@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use axum::extract::State;
 use chrono::{DateTime, TimeDelta, Timelike, Utc};
 use maud::{Markup, html};
-use sagabox::inspect::inspect;
-use sagabox::saga::{SagaCount, SagaStatus, SagaStore};
+use sagabox::inspect::{InspectReport, inspect};
+use sagabox::saga::{FinishedMinute, SagaCount, SagaStatus, SagaStore};
 
 use super::chart::{self, MinuteBar};
 use super::{PageError, Shared, dead, on_store, pages};
@@ -42,16 +42,7 @@ pub(crate) async fn page(State(console): State<Shared>) -> Result<Markup, PageEr
     let finished = finished.map_err(PageError::read)?;
     let report = report.map_err(PageError::read)?;
 
-    let mut bars = vec![MinuteBar::default(); usize::try_from(CHART_HOURS * 60).unwrap_or(0)];
-    for minute in &finished {
-        let index = usize::try_from((minute.minute - from).num_minutes()).unwrap_or(usize::MAX);
-        if let Some(bar) = bars.get_mut(index) {
-            match minute.status {
-                SagaStatus::Compensated => bar.compensated += minute.sagas,
-                _ => bar.completed += minute.sagas,
-            }
-        }
-    }
+    let bars = bars(&finished, from);
     let table = Table::of(&counts);
     let parked = table.total("parked");
     let dead_total: Option<u64> = dead.as_ref().map(|queues| {
@@ -124,28 +115,50 @@ pub(crate) async fn page(State(console): State<Shared>) -> Result<Markup, PageEr
                     }
                 }
             }
-            section {
-                h2 { "Duplicates the inbox absorbed" }
-                @if report.duplicate_deliveries.is_empty() {
-                    p.muted { "none in the inbox" }
-                } @else {
-                    table #duplicates {
-                        thead { tr { th { "consumer type" } th.num { "last hour" } th.num { "last day" } th.num { "in the inbox" } } }
-                        tbody {
-                            @for row in &report.duplicate_deliveries {
-                                tr data-consumer=(row.consumer_type) {
-                                    td { (row.consumer_type) }
-                                    td.num { (row.last_hour) }
-                                    td.num { (row.last_day) }
-                                    td.num.in-inbox { (row.in_inbox) }
-                                }
-                            }
+            (duplicates(&report))
+        },
+    ))
+}
+
+/// One bar per minute since `from`: the sagas that finished in it, by how.
+fn bars(finished: &[FinishedMinute], from: DateTime<Utc>) -> Vec<MinuteBar> {
+    let mut bars = vec![MinuteBar::default(); usize::try_from(CHART_HOURS * 60).unwrap_or(0)];
+    for minute in finished {
+        let index = usize::try_from((minute.minute - from).num_minutes()).unwrap_or(usize::MAX);
+        if let Some(bar) = bars.get_mut(index) {
+            match minute.status {
+                SagaStatus::Compensated => bar.compensated += minute.sagas,
+                _ => bar.completed += minute.sagas,
+            }
+        }
+    }
+    bars
+}
+
+/// The duplicates the inbox absorbed, per consumer type.
+fn duplicates(report: &InspectReport) -> Markup {
+    html! {
+    section {
+        h2 { "Duplicates the inbox absorbed" }
+        @if report.duplicate_deliveries.is_empty() {
+            p.muted { "none in the inbox" }
+        } @else {
+            table #duplicates {
+                thead { tr { th { "consumer type" } th.num { "last hour" } th.num { "last day" } th.num { "in the inbox" } } }
+                tbody {
+                    @for row in &report.duplicate_deliveries {
+                        tr data-consumer=(row.consumer_type) {
+                            td { (row.consumer_type) }
+                            td.num { (row.last_hour) }
+                            td.num { (row.last_day) }
+                            td.num.in-inbox { (row.in_inbox) }
                         }
                     }
                 }
             }
-        },
-    ))
+        }
+    }
+    }
 }
 
 /// The first minute the chart shows: whole minutes, so bars line up with the query's.
