@@ -98,28 +98,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "charge",
         json!({"order_id": "order-42", "cents": 4200}),
     )?;
-    let (body, properties) = codec::encode(&charge);
     let queue = config.queue(&payment);
-    for properties in [properties.clone(), properties.clone(), properties] {
-        channel
-            .basic_publish(
-                "".into(),
-                queue.as_str().into(),
-                Default::default(),
-                &body,
-                properties,
-            )
-            .await?;
-    }
-    channel
-        .basic_publish(
-            "".into(),
-            queue.as_str().into(),
-            Default::default(),
-            &body,
-            BasicProperties::default(),
-        )
-        .await?;
+    publish(&channel, &queue, &charge).await?;
 
     let deadline = Instant::now() + Duration::from_secs(20);
     while participant
@@ -146,7 +126,54 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("deliveries acked:        {acked}");
     println!("charges in the ledger:   {charges}");
     println!("outbox rows relayed:     {outbox_sent}");
-    let email_queue = config.queue(&email);
+    print_and_delete_queues(&channel, &config, &payment, &email).await?;
+    connection.close(200, "done".into()).await?;
+    if charges != 1 {
+        return Err(format!("expected one charge, found {charges}").into());
+    }
+    Ok(())
+}
+
+/// Publishes `charge` three times to `queue`, then once more without a message id.
+async fn publish(
+    channel: &lapin::Channel,
+    queue: &str,
+    charge: &Envelope,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let (body, properties) = codec::encode(charge);
+    for properties in [properties.clone(), properties.clone(), properties] {
+        channel
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                Default::default(),
+                &body,
+                properties,
+            )
+            .await?;
+    }
+    channel
+        .basic_publish(
+            "".into(),
+            queue.into(),
+            Default::default(),
+            &body,
+            BasicProperties::default(),
+        )
+        .await?;
+
+    Ok(())
+}
+
+/// Prints what the relay put on the email queue and why a message was dead-lettered,
+/// then deletes the example's queues.
+async fn print_and_delete_queues(
+    channel: &lapin::Channel,
+    config: &AmqpConfig,
+    payment: &ConsumerType,
+    email: &ConsumerType,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let email_queue = config.queue(email);
     if let Some(message) = channel
         .basic_get(
             email_queue.as_str().into(),
@@ -161,7 +188,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )?;
         println!("on {email_queue}: {} {}", envelope.kind, envelope.payload);
     }
-    let dead_queue = config.dead_queue(&payment);
+    let dead_queue = config.dead_queue(payment);
     if let Some(message) = channel
         .basic_get(dead_queue.as_str().into(), BasicGetOptions { no_ack: true })
         .await?
@@ -171,14 +198,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             codec::header(&message.delivery.properties, DEAD_REASON_HEADER).unwrap_or_default()
         );
     }
-    for queue in [queue, dead_queue, email_queue, config.dead_queue(&email)] {
+    for queue in [
+        config.queue(payment),
+        dead_queue,
+        email_queue,
+        config.dead_queue(email),
+    ] {
         channel
             .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
             .await?;
-    }
-    connection.close(200, "done".into()).await?;
-    if charges != 1 {
-        return Err(format!("expected one charge, found {charges}").into());
     }
     Ok(())
 }
