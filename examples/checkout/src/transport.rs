@@ -309,6 +309,30 @@ async fn stopped(mut stop: tokio::sync::watch::Receiver<bool>) {
     let _ = stop.wait_for(|stop| *stop).await;
 }
 
+/// The line that says the process is up, and on what. The lifecycle lines have a target
+/// of their own, which the default log filter lets through: an operator sees them
+/// without RUST_LOG.
+fn log_serving(database: &str, config: &ServeConfig) {
+    let queues: Vec<String> = config
+        .roles
+        .iter()
+        .map(|role| config.transport.destination(role))
+        .collect();
+    tracing::info!(
+        target: SERVE_TARGET,
+        version = env!("CARGO_PKG_VERSION"),
+        database,
+        broker = %sagabox::logging::redact(config.transport.url()),
+        queues = %sagabox::logging::json_list(&queues),
+        orchestrator = config.orchestrator,
+        workers = config.workers,
+        prefetch = config.transport.prefetch(),
+        batch = config.batch,
+        ttl_days = config.inbox.ttl.as_secs() / 86_400,
+        "serving"
+    );
+}
+
 async fn serve_on<S>(
     store: S,
     database: &str,
@@ -371,26 +395,7 @@ where
     };
     tokio::pin!(orchestrating);
 
-    // The lifecycle lines have a target of their own, which the default log filter lets
-    // through: an operator sees that the process is up, and on what, without RUST_LOG.
-    let queues: Vec<String> = config
-        .roles
-        .iter()
-        .map(|role| config.transport.destination(role))
-        .collect();
-    tracing::info!(
-        target: SERVE_TARGET,
-        version = env!("CARGO_PKG_VERSION"),
-        database,
-        broker = %sagabox::logging::redact(config.transport.url()),
-        queues = %sagabox::logging::json_list(&queues),
-        orchestrator = config.orchestrator,
-        workers = config.workers,
-        prefetch = config.transport.prefetch(),
-        batch = config.batch,
-        ttl_days = config.inbox.ttl.as_secs() / 86_400,
-        "serving"
-    );
+    log_serving(database, &config);
     let participants_failed = async {
         match &participants {
             Some(participants) => participants.failed().await,
