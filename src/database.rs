@@ -13,6 +13,8 @@ use crate::saga::{HistoryPruned, history_pass};
 use crate::saga::{SagaStore, history_months};
 use crate::schema::{MIGRATIONS_TABLE, Schema};
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
+use crate::store::AnyStore;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 use sqlx::AssertSqlSafe;
 
 /// Which database a URL names.
@@ -365,12 +367,8 @@ pub async fn prune_history(
 ) -> Result<HistoryPruned, InboxError> {
     let ahead = config.partitions_ahead;
     let now = chrono::Utc::now();
-    Ok(match open_migrated(url, schema, 2).await? {
-        #[cfg(feature = "postgres")]
-        Opened::Postgres(store) => history_pass(&store, now, retention, ahead, dry_run).await?,
-        #[cfg(feature = "sqlite")]
-        Opened::Sqlite(store) => history_pass(&store, now, retention, ahead, dry_run).await?,
-    })
+    let store = open_migrated(url, schema, 2).await?;
+    Ok(history_pass(&store, now, retention, ahead, dry_run).await?)
 }
 
 /// Runs one pruner pass on the database at `url`: creates the partitions ahead and drops
@@ -386,22 +384,10 @@ pub async fn prune(
 ) -> Result<PrunePass, InboxError> {
     match open_migrated(url, schema, 2).await? {
         #[cfg(feature = "postgres")]
-        Opened::Postgres(store) => InboxGuard::new(store, config)?.run_pass(dry_run).await,
+        AnyStore::Postgres(store) => InboxGuard::new(store, config)?.run_pass(dry_run).await,
         #[cfg(feature = "sqlite")]
-        Opened::Sqlite(store) => InboxGuard::new(store, config)?.run_pass(dry_run).await,
+        AnyStore::Sqlite(store) => InboxGuard::new(store, config)?.run_pass(dry_run).await,
     }
-}
-
-/// A store opened by [`open_migrated`]: the backend its URL names.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum Opened {
-    /// A PostgreSQL database.
-    #[cfg(feature = "postgres")]
-    Postgres(crate::PostgresStore),
-    /// An SQLite file.
-    #[cfg(feature = "sqlite")]
-    Sqlite(crate::SqliteStore),
 }
 
 /// Opens the database at `url`, with up to `connections` connections, for a command that
@@ -413,7 +399,7 @@ pub async fn open_migrated(
     url: &str,
     schema: &Schema,
     connections: u32,
-) -> Result<Opened, InboxError> {
+) -> Result<AnyStore, InboxError> {
     let not_migrated = |what: String| InboxError::NotMigrated {
         url: redact(url),
         what,
@@ -429,7 +415,7 @@ pub async fn open_migrated(
                 return Err(not_migrated(what));
             }
             drop(conn);
-            Ok(Opened::Postgres(store))
+            Ok(store.into())
         }
         #[cfg(feature = "sqlite")]
         Backend::Sqlite => {
@@ -443,7 +429,7 @@ pub async fn open_migrated(
                 return Err(not_migrated(what));
             }
             drop(conn);
-            Ok(Opened::Sqlite(store))
+            Ok(store.into())
         }
         #[allow(unreachable_patterns)]
         _ => Err(InboxError::UnsupportedUrl(redact(url))),

@@ -16,7 +16,9 @@ use ractor::Actor;
 use sagabox::orchestrator::{
     DriveStats, InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage,
 };
-use sagabox::saga::{Direction, EventKind, SagaDefinition, SagaEvent, SagaInstance, SagaStore};
+use sagabox::saga::{
+    Direction, EventKind, SagaDefinition, SagaEvent, SagaInsert, SagaInstance, SagaStore,
+};
 use sagabox::step::{StepError, StepHandler, StepPool, StepPoolConfig};
 use sagabox::testing::FaultyDispatch;
 use sagabox::{Envelope, InboxConfig, InboxGuard};

@@ -19,7 +19,8 @@ use sagabox::clock::{Clock, ManualClock};
 use sagabox::orchestrator::{InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage};
 use sagabox::saga::operator::{self, OperatorError};
 use sagabox::saga::{
-    EventKind, SagaDefinition, SagaFilter, SagaInstance, SagaState, SagaStatus, SagaStore,
+    EventKind, SagaDefinition, SagaFilter, SagaInsert, SagaInstance, SagaState, SagaStatus,
+    SagaStore,
 };
 use sagabox::step::{StepError, StepHandler, StepPool, StepPoolConfig};
 use sagabox::testing::FaultyDispatch;

@@ -19,7 +19,7 @@ use sagabox::database::migrate;
 use sagabox::inspect::{InspectOptions, inspect};
 use sagabox::outbox::{OutboxReader, OutboxWriter};
 use sagabox::pruner::Maintenance;
-use sagabox::saga::{SagaDefinition, SagaEvent, SagaFilter, SagaInstance, SagaStore};
+use sagabox::saga::{SagaDefinition, SagaEvent, SagaFilter, SagaInsert, SagaInstance, SagaStore};
 use sagabox::store::InboxStore;
 use sagabox::{
     ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId, Outcome, PostgresStore, Schema,

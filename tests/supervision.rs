@@ -21,7 +21,7 @@ use sagabox::orchestrator::{
     Dispatch, DriveError, Orchestrator, OrchestratorArguments, OrchestratorMessage,
 };
 use sagabox::pruner::{Maintenance, PrunePass, Pruner, PrunerArguments};
-use sagabox::saga::{SagaDefinition, SagaInstance, SagaStore};
+use sagabox::saga::{SagaDefinition, SagaInsert, SagaInstance, SagaStore};
 use sagabox::step::{StepFailure, StepOutcome, StepReply};
 use sagabox::supervisor::Supervision;
 use sagabox::{ConsumerType, Envelope, InboxError, SqliteStore};

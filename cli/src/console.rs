@@ -27,11 +27,11 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use sagabox::InboxError;
 use sagabox::amqp::AmqpConfig;
-use sagabox::database::{Opened, open_migrated};
+use sagabox::database::open_migrated;
 use sagabox::inspect::InspectOptions;
-use sagabox::logging::redact;
-use sagabox::{InboxError, PostgresStore, SqliteStore};
+use sagabox::store::AnyStore;
 
 /// Database connections the console holds: a page runs its queries one after another,
 /// and a few operators at once is the expected load.
@@ -79,31 +79,11 @@ pub(crate) enum ConsoleError {
     Serve(std::io::Error),
 }
 
-/// The database, opened once.
-#[derive(Debug, Clone)]
-pub(crate) enum Db {
-    /// PostgreSQL.
-    Postgres(PostgresStore),
-    /// SQLite.
-    Sqlite(SqliteStore),
-}
-
-/// Runs `$body` with `$store` bound to the concrete store of `$db`: the pages are
-/// written once, generic over [`sagabox::saga::SagaStore`].
-macro_rules! on_store {
-    ($db:expr, |$store:ident| $body:expr) => {
-        match $db {
-            $crate::console::Db::Postgres($store) => $body,
-            $crate::console::Db::Sqlite($store) => $body,
-        }
-    };
-}
-pub(crate) use on_store;
-
 /// What every handler shares.
 #[derive(Debug)]
 pub(crate) struct Console {
-    pub(crate) db: Db,
+    /// The database, opened once.
+    pub(crate) db: AnyStore,
     pub(crate) config: ConsoleConfig,
     /// The CSRF token of this process: every form carries it, every POST must.
     pub(crate) csrf: String,
@@ -158,14 +138,7 @@ pub(crate) async fn serve(
     stop: impl std::future::Future<Output = ()> + Send + 'static,
     ready: impl FnOnce(SocketAddr),
 ) -> Result<(), ConsoleError> {
-    let db = match open_migrated(&config.database_url, &config.schema, config.pool_size).await? {
-        Opened::Postgres(store) => Db::Postgres(store),
-        Opened::Sqlite(store) => Db::Sqlite(store),
-        #[allow(unreachable_patterns)]
-        _ => {
-            return Err(InboxError::UnsupportedUrl(redact(&config.database_url)).into());
-        }
-    };
+    let db = open_migrated(&config.database_url, &config.schema, config.pool_size).await?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|source| ConsoleError::Listen {

@@ -8,7 +8,7 @@ use std::fmt::{self, Display};
 use chrono::{DateTime, Utc};
 use clap::{Subcommand, ValueEnum};
 use sagabox::InboxError;
-use sagabox::database::{Opened, open_migrated};
+use sagabox::database::open_migrated;
 use sagabox::saga::operator::{self, OperatorError};
 use sagabox::saga::versions::stored_definition;
 use sagabox::saga::{
@@ -179,14 +179,8 @@ pub(crate) enum SagaCommandError {
 
 /// Runs `command`; its answer prints as text or JSON.
 pub(crate) async fn run(command: SagaCommand) -> Result<Answer, SagaCommandError> {
-    let opened = open_migrated(command.database_url(), command.schema(), CONNECTIONS).await?;
-    match opened {
-        Opened::Postgres(store) => on(&store, command).await,
-        Opened::Sqlite(store) => on(&store, command).await,
-        _ => {
-            Err(InboxError::UnsupportedUrl(sagabox::logging::redact(command.database_url())).into())
-        }
-    }
+    let store = open_migrated(command.database_url(), command.schema(), CONNECTIONS).await?;
+    on(&store, command).await
 }
 
 async fn on<St: SagaStore>(store: &St, command: SagaCommand) -> Result<Answer, SagaCommandError> {

@@ -12,7 +12,7 @@ mod common;
 use std::process::Output;
 
 use chrono::Utc;
-use sagabox::saga::{SagaDefinition, SagaInstance, SagaStatus, SagaStore};
+use sagabox::saga::{SagaDefinition, SagaInsert, SagaInstance, SagaStatus, SagaStore};
 use serde_json::{Value, json};
 
 const ORDER: &str = r#"

@@ -153,17 +153,6 @@ pub struct FinishedMinute {
 /// database as the inbox, so the demo can create an order and its saga in one
 /// transaction.
 pub trait SagaStore: Clone + Send + Sync + 'static {
-    /// The database.
-    type SagaDb: Database;
-
-    /// Inserts `instance`, and its `started` event, with the caller's connection (inside
-    /// the caller's transaction, if it has one).
-    fn insert(
-        &self,
-        conn: &mut <Self::SagaDb as Database>::Connection,
-        instance: &SagaInstance,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
-
     /// Inserts `instance` unless a saga with its id is stored already, and returns the
     /// stored one either way: the idempotent start ([`SagaInstance::from_start`]).
     ///
@@ -256,6 +245,26 @@ pub trait SagaStore: Clone + Send + Sync + 'static {
         name: &str,
         version: u32,
     ) -> impl Future<Output = Result<Option<String>, sqlx::Error>> + Send;
+}
+
+/// A saga store of one database type, whose sagas can be inserted with the caller's
+/// connection: inside the caller's transaction, beside the caller's own writes (an order
+/// and the saga that handles it, committed together). [`SagaStore`] holds what needs no
+/// connection of the caller's, so a store chosen at run time ([`AnyStore`]) implements
+/// it too.
+///
+/// [`AnyStore`]: crate::store::AnyStore
+pub trait SagaInsert: SagaStore {
+    /// The database.
+    type SagaDb: Database;
+
+    /// Inserts `instance`, and its `started` event, with the caller's connection (inside
+    /// the caller's transaction, if it has one).
+    fn insert(
+        &self,
+        conn: &mut <Self::SagaDb as Database>::Connection,
+        instance: &SagaInstance,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 }
 
 /// The columns of a saga row, in the order every read and insert names them.
@@ -697,7 +706,7 @@ macro_rules! bind_instance {
 }
 
 #[cfg(feature = "postgres")]
-impl SagaStore for crate::PostgresStore {
+impl SagaInsert for crate::PostgresStore {
     type SagaDb = sqlx::Postgres;
 
     async fn insert(
@@ -713,7 +722,10 @@ impl SagaStore for crate::PostgresStore {
         .await?;
         Ok(())
     }
+}
 
+#[cfg(feature = "postgres")]
+impl SagaStore for crate::PostgresStore {
     async fn create_if_absent(&self, instance: &SagaInstance) -> Result<Started, sqlx::Error> {
         for _ in 0..CREATE_ATTEMPTS {
             let inserted = bind_instance!(
@@ -853,7 +865,7 @@ impl SagaStore for crate::PostgresStore {
 }
 
 #[cfg(feature = "sqlite")]
-impl SagaStore for crate::SqliteStore {
+impl SagaInsert for crate::SqliteStore {
     type SagaDb = sqlx::Sqlite;
 
     async fn insert(
@@ -878,7 +890,10 @@ impl SagaStore for crate::SqliteStore {
             .await?;
         tx.commit().await
     }
+}
 
+#[cfg(feature = "sqlite")]
+impl SagaStore for crate::SqliteStore {
     async fn create_if_absent(&self, instance: &SagaInstance) -> Result<Started, sqlx::Error> {
         for _ in 0..CREATE_ATTEMPTS {
             let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;

@@ -15,7 +15,7 @@ use serde::Deserialize;
 
 use super::sagas::path_segment;
 use super::security::check_action;
-use super::{PageError, Shared, on_store};
+use super::{PageError, Shared};
 use crate::saga::signed;
 
 /// A saga action's form.
@@ -53,17 +53,12 @@ pub(crate) async fn retry(
 ) -> Result<Redirect, PageError> {
     check_action(&console, &form.csrf)?;
     let note = note(&form, "retried");
-    on_store!(&console.db, |store| operator::retry(
-        store,
-        &id,
-        &note,
-        Utc::now()
-    )
-    .await
-    .map_err(|error| PageError::new(
-        StatusCode::CONFLICT,
-        error.to_string()
-    ))?);
+    {
+        let store = &console.db;
+        operator::retry(store, &id, &note, Utc::now())
+            .await
+            .map_err(|error| PageError::new(StatusCode::CONFLICT, error.to_string()))?
+    };
     Ok(Redirect::to(&format!("/sagas/{}", path_segment(&id))))
 }
 
@@ -75,17 +70,12 @@ pub(crate) async fn cancel(
 ) -> Result<Redirect, PageError> {
     check_action(&console, &form.csrf)?;
     let note = note(&form, "cancelled");
-    on_store!(&console.db, |store| operator::cancel(
-        store,
-        &id,
-        &note,
-        Utc::now()
-    )
-    .await
-    .map_err(|error| PageError::new(
-        StatusCode::CONFLICT,
-        error.to_string()
-    ))?);
+    {
+        let store = &console.db;
+        operator::cancel(store, &id, &note, Utc::now())
+            .await
+            .map_err(|error| PageError::new(StatusCode::CONFLICT, error.to_string()))?
+    };
     Ok(Redirect::to(&format!("/sagas/{}", path_segment(&id))))
 }
 

@@ -11,7 +11,7 @@ use sagabox::inspect::{InspectReport, inspect};
 use sagabox::saga::{FinishedMinute, SagaCount, SagaStatus, SagaStore};
 
 use super::chart::{self, MinuteBar};
-use super::{PageError, Shared, dead, on_store, pages};
+use super::{PageError, Shared, dead, pages};
 
 /// Hours the chart covers.
 const CHART_HOURS: i64 = 3;
@@ -30,14 +30,15 @@ pub(crate) async fn page(State(console): State<Shared>) -> Result<Markup, PageEr
     let now = Utc::now();
     let from = chart_start(now);
     // Side by side: each is a scan or a round trip of its own, and the page waits for all.
-    let (counts, finished, report, dead) = on_store!(&console.db, |store| {
+    let (counts, finished, report, dead) = {
+        let store = &console.db;
         tokio::join!(
             store.counts(),
             store.finished_per_minute(from),
             inspect(&console.config.database_url, &console.config.inspect),
             dead::counts(&console),
         )
-    });
+    };
     let counts = counts.map_err(PageError::read)?;
     let finished = finished.map_err(PageError::read)?;
     let report = report.map_err(PageError::read)?;

@@ -12,7 +12,7 @@ use serde::Deserialize;
 
 use super::chart::{self, Mark};
 use super::overview::STATES;
-use super::{PageError, Shared, on_store, pages};
+use super::{PageError, Shared, pages};
 use crate::saga::StepNames;
 
 /// Sagas on one page of the list.
@@ -84,7 +84,8 @@ pub(crate) async fn list(
         after,
         limit: PAGE,
     };
-    let rows = on_store!(&console.db, |store| {
+    let rows = {
+        let store = &console.db;
         let sagas = store.list(&filter).await.map_err(PageError::read)?;
         let mut steps = StepNames::default();
         let mut rows = Vec::with_capacity(sagas.len());
@@ -93,7 +94,7 @@ pub(crate) async fn list(
             rows.push((saga, step));
         }
         rows
-    });
+    };
     let next = (rows.len() == PAGE as usize)
         .then(|| rows.last().map(|(saga, _)| next_link(&query, saga)))
         .flatten();
@@ -189,7 +190,8 @@ pub(crate) async fn show(
     Path(id): Path<String>,
 ) -> Result<Markup, PageError> {
     let now = Utc::now();
-    let (saga, history, lanes, step) = on_store!(&console.db, |store| {
+    let (saga, history, lanes, step) = {
+        let store = &console.db;
         let saga = store
             .load(&id)
             .await
@@ -201,7 +203,7 @@ pub(crate) async fn show(
         let lanes = lanes(store, &saga).await;
         let step = StepNames::default().of(store, &saga).await;
         (saga, history, lanes, step)
-    });
+    };
     let mut lanes = lanes;
     for entry in &history {
         if let Some(step) = &entry.event.step

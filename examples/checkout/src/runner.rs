@@ -16,7 +16,7 @@ use sagabox::logging::redact;
 use sagabox::month::Month;
 use sagabox::orchestrator::{DriveStats, Orchestrator, OrchestratorArguments, OrchestratorMessage};
 use sagabox::pruner::{Maintenance, PrunePass, Pruner, PrunerArguments};
-use sagabox::saga::{SagaDefinition, SagaInstance, SagaStore};
+use sagabox::saga::{SagaDefinition, SagaInsert, SagaInstance};
 use sagabox::supervisor::Supervision;
 use sagabox::testing::FaultyDispatch;
 use serde_json::{Value, json};

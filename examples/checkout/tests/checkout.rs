@@ -36,7 +36,7 @@ mod late_charge {
     use sagabox::orchestrator::{
         InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage,
     };
-    use sagabox::saga::{SagaDefinition, SagaInstance, SagaStore};
+    use sagabox::saga::{SagaDefinition, SagaInsert, SagaInstance, SagaStore};
     use sagabox::step::{StepError, StepHandler, StepPool, StepPoolConfig};
     use sagabox::{Envelope, InboxConfig, InboxGuard};
     use sagabox_checkout::{CheckoutStep, POSTGRES_TABLES};

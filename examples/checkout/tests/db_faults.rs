@@ -26,7 +26,7 @@ use sagabox::orchestrator::{
     DriveStats, InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage,
 };
 use sagabox::pruner::{Maintenance, PrunePass, Pruner, PrunerArguments, PrunerMessage};
-use sagabox::saga::{SagaDefinition, SagaInstance, SagaStore};
+use sagabox::saga::{SagaDefinition, SagaInsert, SagaInstance};
 use sagabox::step::{StepFailure, StepPool, StepPoolConfig};
 use sagabox::{
     ConsumerType, Envelope, GuardError, InboxConfig, InboxError, InboxGuard, MessageId, Outcome,
