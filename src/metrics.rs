@@ -439,12 +439,13 @@ pub(crate) fn partition_created_on_demand() {
     metrics::counter!(INBOX_PARTITIONS_CREATED_ON_DEMAND_TOTAL).increment(1);
 }
 
-pub(crate) fn pruner_pass(pass: &crate::pruner::PrunePass, now: chrono::DateTime<chrono::Utc>) {
-    metrics::counter!(PRUNER_PARTITIONS_CREATED_TOTAL).increment(pass.created.len() as u64);
-    metrics::counter!(PRUNER_PARTITIONS_DROPPED_TOTAL).increment(pass.dropped.len() as u64);
-    if let Some(oldest) = pass.oldest {
-        let age = (now - oldest.start()).num_milliseconds().max(0) as f64 / 1000.0;
-        metrics::gauge!(INBOX_OLDEST_PARTITION_AGE_SECONDS).set(age);
+/// A pruner pass created `created` partitions and dropped `dropped`; the oldest one left
+/// is `oldest_age` old, if any is left.
+pub(crate) fn pruner_pass(created: usize, dropped: usize, oldest_age: Option<Duration>) {
+    metrics::counter!(PRUNER_PARTITIONS_CREATED_TOTAL).increment(created as u64);
+    metrics::counter!(PRUNER_PARTITIONS_DROPPED_TOTAL).increment(dropped as u64);
+    if let Some(age) = oldest_age {
+        metrics::gauge!(INBOX_OLDEST_PARTITION_AGE_SECONDS).set(age.as_secs_f64());
     }
 }
 

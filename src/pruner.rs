@@ -86,7 +86,11 @@ impl<S: InboxStore> Maintenance for InboxGuard<S> {
             pass?
         };
         if !dry_run {
-            metrics::pruner_pass(&pass, self.now());
+            let now = self.now();
+            let oldest_age = pass
+                .oldest
+                .map(|oldest| (now - oldest.start()).to_std().unwrap_or_default());
+            metrics::pruner_pass(pass.created.len(), pass.dropped.len(), oldest_age);
         }
         Ok(pass)
     }

@@ -11,19 +11,11 @@ use sagabox::inspect::{InspectReport, inspect};
 use sagabox::saga::{FinishedMinute, SagaCount, SagaStatus, SagaStore};
 
 use super::chart::{self, MinuteBar};
+use super::pages::STATES;
 use super::{PageError, Shared, dead, pages};
 
 /// Hours the chart covers.
 const CHART_HOURS: i64 = 3;
-
-/// The states in the order of the tables' columns.
-pub(crate) const STATES: [&str; 5] = [
-    "running",
-    "compensating",
-    "parked",
-    "completed",
-    "compensated",
-];
 
 /// `GET /`.
 pub(crate) async fn page(State(console): State<Shared>) -> Result<Markup, PageError> {

@@ -6,6 +6,15 @@ use axum::response::IntoResponse;
 use chrono::{DateTime, Utc};
 use maud::{DOCTYPE, Markup, html};
 
+/// The states in the order of the tables' columns.
+pub(crate) const STATES: [&str; 5] = [
+    "running",
+    "compensating",
+    "parked",
+    "completed",
+    "compensated",
+];
+
 /// The stylesheet, compiled into the binary.
 const STYLESHEET: &str = include_str!("../../assets/console.css");
 

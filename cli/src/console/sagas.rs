@@ -11,7 +11,7 @@ use sagabox::saga::{SagaCursor, SagaFilter, SagaInstance, SagaState, SagaStatus,
 use serde::Deserialize;
 
 use super::chart::{self, Mark};
-use super::overview::STATES;
+use super::pages::STATES;
 use super::{PageError, Shared, pages};
 use crate::saga::StepNames;
 
