@@ -7,6 +7,7 @@
 //! run on either broker with the same guarantees.
 
 mod sender;
+mod settings;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -25,6 +26,7 @@ use crate::store::InboxStore;
 
 use crate::consumer::ConsumerHandle;
 pub use sender::{Sender, Sent};
+pub(crate) use settings::BrokerSettings;
 
 /// A broker and how to use it.
 #[derive(Debug, Clone)]
@@ -99,65 +101,54 @@ impl Transport {
         })
     }
 
-    /// Checks every setting; the error says which and what to do.
-    pub fn validate(&self) -> Result<(), TransportError> {
+    /// Its broker's configuration, as the transport boundary sees it.
+    fn settings(&self) -> &dyn BrokerSettings {
         match self {
             #[cfg(feature = "rabbitmq")]
-            Transport::Amqp(config) => Ok(config.validate()?),
+            Transport::Amqp(config) => config,
             #[cfg(feature = "nats")]
-            Transport::Nats(config) => Ok(config.validate()?),
+            Transport::Nats(config) => config,
         }
+    }
+
+    fn settings_mut(&mut self) -> &mut dyn BrokerSettings {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            Transport::Amqp(config) => config,
+            #[cfg(feature = "nats")]
+            Transport::Nats(config) => config,
+        }
+    }
+
+    /// Checks every setting; the error says which and what to do.
+    pub fn validate(&self) -> Result<(), TransportError> {
+        self.settings().validate()
     }
 
     /// The broker's name, for logs and reports.
     pub fn broker(&self) -> &'static str {
-        match self {
-            #[cfg(feature = "rabbitmq")]
-            Transport::Amqp(_) => "RabbitMQ",
-            #[cfg(feature = "nats")]
-            Transport::Nats(_) => "NATS JetStream",
-        }
+        self.settings().broker()
     }
 
     /// The broker's URL (with its password: redact it before showing it,
     /// [`logging::redact`](crate::logging::redact)).
     pub fn url(&self) -> &str {
-        match self {
-            #[cfg(feature = "rabbitmq")]
-            Transport::Amqp(config) => &config.url,
-            #[cfg(feature = "nats")]
-            Transport::Nats(config) => &config.url,
-        }
+        self.settings().url()
     }
 
     /// The prefix of its queues or subjects.
     pub fn prefix(&self) -> &str {
-        match self {
-            #[cfg(feature = "rabbitmq")]
-            Transport::Amqp(config) => &config.queue_prefix,
-            #[cfg(feature = "nats")]
-            Transport::Nats(config) => &config.prefix,
-        }
+        self.settings().prefix()
     }
 
     /// Unacknowledged messages a consumer holds at once.
     pub fn prefetch(&self) -> u16 {
-        match self {
-            #[cfg(feature = "rabbitmq")]
-            Transport::Amqp(config) => config.prefetch,
-            #[cfg(feature = "nats")]
-            Transport::Nats(config) => config.prefetch,
-        }
+        self.settings().prefetch()
     }
 
     /// Holds at most `prefetch` unacknowledged messages per consumer.
     pub fn with_prefetch(mut self, prefetch: u16) -> Self {
-        match &mut self {
-            #[cfg(feature = "rabbitmq")]
-            Transport::Amqp(config) => config.prefetch = prefetch,
-            #[cfg(feature = "nats")]
-            Transport::Nats(config) => config.prefetch = prefetch,
-        }
+        self.settings_mut().set_prefetch(prefetch);
         self
     }
 
@@ -169,12 +160,7 @@ impl Transport {
     /// changing it for an existing queue means deleting the queue (or setting a
     /// `delivery-limit` policy instead).
     pub fn with_max_deliveries(mut self, deliveries: u32) -> Self {
-        match &mut self {
-            #[cfg(feature = "rabbitmq")]
-            Transport::Amqp(config) => config.max_redeliveries = deliveries,
-            #[cfg(feature = "nats")]
-            Transport::Nats(config) => config.max_deliver = deliveries,
-        }
+        self.settings_mut().set_max_deliveries(deliveries);
         self
     }
 
@@ -183,25 +169,14 @@ impl Transport {
     /// [`broker_retention`](InboxConfig::broker_retention); on RabbitMQ, also the inbox
     /// its consumers check the queues' measured retention against
     /// ([`AmqpConfig::with_inbox`]).
-    pub fn with_retention_of(self, inbox: &InboxConfig) -> Self {
-        match self {
-            #[cfg(feature = "rabbitmq")]
-            Transport::Amqp(config) => Transport::Amqp(config.with_inbox(inbox)),
-            #[cfg(feature = "nats")]
-            Transport::Nats(config) => {
-                Transport::Nats(config.with_retention(inbox.broker_retention))
-            }
-        }
+    pub fn with_retention_of(mut self, inbox: &InboxConfig) -> Self {
+        self.settings_mut().set_retention_of(inbox);
+        self
     }
 
     /// Where `consumer_type`'s messages are sent: a queue or a subject.
     pub fn destination(&self, consumer_type: &ConsumerType) -> String {
-        match self {
-            #[cfg(feature = "rabbitmq")]
-            Transport::Amqp(config) => config.queue(consumer_type),
-            #[cfg(feature = "nats")]
-            Transport::Nats(config) => config.subject(consumer_type),
-        }
+        self.settings().destination(consumer_type)
     }
 }
 

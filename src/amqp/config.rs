@@ -270,6 +270,44 @@ impl AmqpConfig {
     }
 }
 
+impl crate::transport::BrokerSettings for AmqpConfig {
+    fn validate(&self) -> Result<(), crate::transport::TransportError> {
+        Ok(AmqpConfig::validate(self)?)
+    }
+
+    fn broker(&self) -> &'static str {
+        "RabbitMQ"
+    }
+
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn prefix(&self) -> &str {
+        &self.queue_prefix
+    }
+
+    fn prefetch(&self) -> u16 {
+        self.prefetch
+    }
+
+    fn set_prefetch(&mut self, prefetch: u16) {
+        self.prefetch = prefetch;
+    }
+
+    fn set_max_deliveries(&mut self, deliveries: u32) {
+        self.max_redeliveries = deliveries;
+    }
+
+    fn set_retention_of(&mut self, inbox: &InboxConfig) {
+        *self = self.clone().with_inbox(inbox);
+    }
+
+    fn destination(&self, consumer_type: &ConsumerType) -> String {
+        self.queue(consumer_type)
+    }
+}
+
 /// What went wrong in the transport.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
