@@ -93,9 +93,10 @@
 //!   Prometheus endpoint ([`install_prometheus`](metrics::install_prometheus)), which also
 //!   answers `/healthz` and `/readyz`.
 //! - [`health`]: the process's readiness — its database answers, its consumers consume.
-//! - [`testing`]: [`FaultyDispatch`](testing::FaultyDispatch) — duplicated commands and
-//!   lost replies on demand, counted, to test a saga's participants against them.
-//! - [`logging`]: how the library's log events carry lists ([`json_list`](logging::json_list)).
+//! - `testing` (feature `testing`): `FaultyDispatch` — duplicated commands and lost
+//!   replies on demand, counted, to test a saga's participants against them.
+//! - [`logging`]: how the library's log events carry lists ([`json_list`](logging::json_list)),
+//!   and URLs without their passwords ([`redact`](logging::redact)).
 //! - [`trace`]: W3C trace context in the envelope's headers, so one saga is one trace
 //!   across processes (bridged to OpenTelemetry with feature `otel`).
 //! - [`tls`]: [`TlsFiles`](tls::TlsFiles) — the CA and client certificate a connection
@@ -166,6 +167,7 @@ pub mod schema;
 pub mod step;
 pub mod store;
 pub mod supervisor;
+#[cfg(feature = "testing")]
 pub mod testing;
 pub mod tls;
 pub mod trace;

@@ -296,7 +296,8 @@ impl StepPool {
     }
 
     /// How many commands wait in the queue for a free worker now (those being run do
-    /// not count).
+    /// not count). With the `testing` feature.
+    #[cfg(feature = "testing")]
     pub fn waiting(&self) -> usize {
         self.queue.len()
     }
