@@ -141,7 +141,13 @@ async fn publish(
     charge: &Envelope,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let (body, properties) = codec::encode(charge);
-    for properties in [properties.clone(), properties.clone(), properties] {
+    let without_id = BasicProperties::default();
+    for properties in [
+        properties.clone(),
+        properties.clone(),
+        properties,
+        without_id,
+    ] {
         channel
             .basic_publish(
                 "".into(),
@@ -152,15 +158,6 @@ async fn publish(
             )
             .await?;
     }
-    channel
-        .basic_publish(
-            "".into(),
-            queue.into(),
-            Default::default(),
-            &body,
-            BasicProperties::default(),
-        )
-        .await?;
 
     Ok(())
 }

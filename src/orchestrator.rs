@@ -485,6 +485,9 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
             return;
         }
         loop {
+            // Checked before the definition lookup too, which parks a saga whose version
+            // is unknown: a saga another driver finished or parked meanwhile (reloaded by
+            // a save) must be left as it is.
             if saga.status.is_terminal() || saga.parked.is_some() {
                 return;
             }
@@ -626,7 +629,7 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                         self.clock.now(),
                         machine::Renew::Nothing,
                     );
-                    self.apply(saga, machine::Change::parked(events)).await;
+                    self.apply(saga, machine::Change::of(events)).await;
                     return None;
                 }
             }

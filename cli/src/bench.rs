@@ -865,19 +865,12 @@ async fn on_postgres(
 > {
     let mut scale = None;
     let mut pruning = None;
-    let schema = format!("sagabox_bench_{}", std::process::id());
-    // Through the store's connect, whose error names the host and port.
-    let admin = PostgresStore::connect(&args.database_url, 1)
-        .await?
-        .pool()
-        .clone();
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
-    )))
-    .execute(&admin)
+    let scratch = ScratchSchema::create(
+        &args.database_url,
+        format!("sagabox_bench_{}", std::process::id()),
+    )
     .await?;
-    let options =
-        PgConnectOptions::from_str(&args.database_url)?.options([("search_path", schema.as_str())]);
+    let (schema, options) = (&scratch.name, &scratch.options);
     let pool = PgPoolOptions::new()
         .max_connections(connections)
         .test_before_acquire(false)
@@ -886,7 +879,7 @@ async fn on_postgres(
     let outcome = async {
         sqlx::raw_sql(PG_SETUP).execute(&pool).await?;
         // sagabox's tables in the scratch schema too, beside the baseline's.
-        let store = PostgresStore::new(pool.clone()).with_schema(Schema::new(&schema)?);
+        let store = PostgresStore::new(pool.clone()).with_schema(Schema::new(schema)?);
         let guard = InboxGuard::new(store, InboxConfig::default())?;
         guard.migrate().await?;
         let results = run_postgres(pool.clone(), guard.clone(), args).await?;
@@ -899,18 +892,57 @@ async fn on_postgres(
             scale = Some(scale::prefill(&pool, &guard, args, empty).await?);
         }
         if args.prune_rows > 0 {
-            pruning = Some(scale::prune(&options, &guard, args).await?);
+            pruning = Some(scale::prune(options, &guard, args).await?);
         }
         Ok::<_, BoxError>(results)
     }
     .await;
     pool.close().await;
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP SCHEMA IF EXISTS {schema} CASCADE"
-    )))
-    .execute(&admin)
-    .await?;
+    scratch.drop().await?;
     Ok((outcome?, scale, pruning))
+}
+
+/// A schema of its own in the PostgreSQL database a bench runs on, created afresh and
+/// dropped afterwards, so that a bench never touches the data at the URL.
+pub(crate) struct ScratchSchema {
+    /// A connection of its own, which creates and drops the schema.
+    admin: Pool<sqlx::Postgres>,
+    /// The schema's name.
+    pub(crate) name: String,
+    /// Connection options whose `search_path` is the schema.
+    pub(crate) options: PgConnectOptions,
+}
+
+impl ScratchSchema {
+    /// Creates schema `name` in the database at `url`, dropping one left by an earlier
+    /// run first.
+    pub(crate) async fn create(url: &str, name: String) -> Result<Self, BoxError> {
+        // Through the store's connect, whose error names the host and port.
+        let admin = PostgresStore::connect(url, 1).await?.pool().clone();
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "DROP SCHEMA IF EXISTS {name} CASCADE; CREATE SCHEMA {name}"
+        )))
+        .execute(&admin)
+        .await?;
+        let options = PgConnectOptions::from_str(url)?.options([("search_path", name.as_str())]);
+        Ok(Self {
+            admin,
+            name,
+            options,
+        })
+    }
+
+    /// Drops the schema and everything in it.
+    pub(crate) async fn drop(self) -> Result<(), BoxError> {
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "DROP SCHEMA IF EXISTS {} CASCADE",
+            self.name
+        )))
+        .execute(&self.admin)
+        .await?;
+        self.admin.close().await;
+        Ok(())
+    }
 }
 
 /// The runs on a scratch SQLite file beside the one named, removed afterwards.

@@ -139,11 +139,15 @@ impl AmqpConfig {
     /// [`message_ttl`](Self::message_ttl) is `None`: a policy's), and every consumer's
     /// queue retention checked against its TTL.
     pub fn with_inbox(mut self, inbox: &InboxConfig) -> Self {
+        self.set_inbox(inbox);
+        self
+    }
+
+    fn set_inbox(&mut self, inbox: &InboxConfig) {
         if self.message_ttl.is_some() {
             self.message_ttl = Some(inbox.broker_retention);
         }
         self.retention_check = Some(inbox.clone());
-        self
     }
 
     /// The management API's base URL: the configured one, or the AMQP URL's host on port
@@ -300,7 +304,7 @@ impl crate::transport::BrokerSettings for AmqpConfig {
     }
 
     fn set_retention_of(&mut self, inbox: &InboxConfig) {
-        *self = self.clone().with_inbox(inbox);
+        self.set_inbox(inbox);
     }
 
     fn destination(&self, consumer_type: &ConsumerType) -> String {

@@ -46,16 +46,13 @@ pub(crate) struct Change {
 }
 
 impl Change {
-    fn of(events: Vec<SagaEvent>) -> Self {
+    /// A change with these events, no compensation and no backoff (a completion, a
+    /// skipped undo, a park).
+    pub(crate) fn of(events: Vec<SagaEvent>) -> Self {
         Self {
             events,
             ..Self::default()
         }
-    }
-
-    /// The change of a saga that [`park`] parked, with its events.
-    pub(crate) fn parked(events: Vec<SagaEvent>) -> Self {
-        Self::of(events)
     }
 }
 

@@ -26,7 +26,6 @@
 mod amqp;
 mod nats;
 
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,8 +38,8 @@ use sagabox::{
     ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId, Participant, PostgresStore,
 };
 use serde::Serialize;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{AssertSqlSafe, PgConnection, PgPool};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{PgConnection, PgPool};
 use tokio::sync::Semaphore;
 
 use super::BoxError;
@@ -494,26 +493,20 @@ pub(crate) async fn run(args: BrokerBenchArgs) -> Result<BrokerBenchReport, BoxE
         )
         .into());
     }
-    let schema = format!("sagabox_bench_broker_{}", std::process::id());
-    let admin = PostgresStore::connect(&args.database_url, 1)
-        .await?
-        .pool()
-        .clone();
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
-    )))
-    .execute(&admin)
+    let scratch = super::ScratchSchema::create(
+        &args.database_url,
+        format!("sagabox_bench_broker_{}", std::process::id()),
+    )
     .await?;
-    let options =
-        PgConnectOptions::from_str(&args.database_url)?.options([("search_path", schema.as_str())]);
     let connections = u32::try_from(args.workers + 4).unwrap_or(u32::MAX);
     let pool = PgPoolOptions::new()
         .max_connections(connections)
-        .connect_with(options)
+        .connect_with(scratch.options.clone())
         .await?;
     let outcome = async {
         sqlx::raw_sql(SETUP).execute(&pool).await?;
-        let store = PostgresStore::new(pool.clone()).with_schema(sagabox::Schema::new(&schema)?);
+        let store =
+            PostgresStore::new(pool.clone()).with_schema(sagabox::Schema::new(&scratch.name)?);
         InboxGuard::new(store.clone(), InboxConfig::default())?
             .migrate()
             .await?;
@@ -558,11 +551,7 @@ pub(crate) async fn run(args: BrokerBenchArgs) -> Result<BrokerBenchReport, BoxE
     }
     .await;
     pool.close().await;
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP SCHEMA IF EXISTS {schema} CASCADE"
-    )))
-    .execute(&admin)
-    .await?;
+    scratch.drop().await?;
     Ok(BrokerBenchReport {
         database: sagabox::logging::redact(&args.database_url),
         broker: sagabox::logging::redact(&args.broker_url),
