@@ -4,13 +4,16 @@
 //! pending rows at least once, in `seq` order per aggregate, and marks them sent; the consumer's inbox
 //! absorbs a second publish, since the row's UUIDv7 is the message id downstream.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::future::Future;
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::types::Json;
-use sqlx::{AssertSqlSafe, Row};
+use sqlx::{
+    AssertSqlSafe, ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Row, Type,
+};
 
 use crate::envelope::{ConsumerType, Envelope, KeyError, MessageId};
 use crate::schema::Schema;
@@ -118,8 +121,8 @@ pub trait OutboxReader {
 /// One outbox row from a query selecting every column.
 fn decode_row<R: Row>(row: &R) -> Result<OutboxRow, sqlx::Error>
 where
-    usize: sqlx::ColumnIndex<R>,
-    for<'r> &'r str: sqlx::ColumnIndex<R>,
+    usize: ColumnIndex<R>,
+    for<'r> &'r str: ColumnIndex<R>,
     for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
@@ -145,15 +148,6 @@ where
     })
 }
 
-/// Reads rows with one of the queries above.
-trait RowsOf {
-    fn rows(
-        &mut self,
-        sql: String,
-        limit: i64,
-    ) -> impl Future<Output = Result<Vec<OutboxRow>, sqlx::Error>> + Send;
-}
-
 const INSERT: &str = "INSERT INTO {schema}.sagabox_outbox \
     (id, aggregate, destination, kind, saga_id, payload, headers, created_at) \
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8)";
@@ -161,56 +155,6 @@ const PENDING: &str = "SELECT seq, id, aggregate, destination, kind, saga_id, pa
     FROM {schema}.sagabox_outbox WHERE sent_at IS NULL ORDER BY seq LIMIT $1";
 const MARK_SENT: &str =
     "UPDATE {schema}.sagabox_outbox SET sent_at = $2 WHERE seq = $1 AND sent_at IS NULL";
-
-/// The relay's claim on PostgreSQL, in two statements (see [`OutboxReader::claim`]):
-/// the aggregates at the head of the queue, each locked for the transaction if no other
-/// relay holds it; then, with a snapshot taken after those locks, the pending rows of
-/// the locked aggregates in order. Taking the locks first matters: a lock tried row by
-/// row inside one scan could fail on an aggregate's early rows (another relay was
-/// sending them) and succeed on its later ones once that relay committed, publishing
-/// them ahead of the rows it skipped. The lock's class (first key) keeps it apart from
-/// the inbox's claim locks.
-#[cfg(feature = "postgres")]
-const LOCK_HEAD_AGGREGATES: &str = "SELECT aggregate FROM ( \
-        SELECT DISTINCT aggregate FROM ( \
-            SELECT aggregate FROM {schema}.sagabox_outbox WHERE sent_at IS NULL ORDER BY seq LIMIT $1 \
-        ) head \
-    ) candidates \
-    WHERE pg_try_advisory_xact_lock(1398892386, hashtext(aggregate))";
-#[cfg(feature = "postgres")]
-const PENDING_OF_AGGREGATES: &str = "SELECT seq, id, aggregate, destination, kind, saga_id, payload, headers, created_at \
-    FROM {schema}.sagabox_outbox WHERE sent_at IS NULL AND aggregate = ANY($2) ORDER BY seq LIMIT $1 FOR UPDATE";
-
-#[cfg(feature = "postgres")]
-async fn claim_postgres(
-    conn: &mut sqlx::PgConnection,
-    schema: &Schema,
-    limit: i64,
-) -> Result<Vec<OutboxRow>, sqlx::Error> {
-    let aggregates: Vec<String> =
-        sqlx::query_scalar(AssertSqlSafe(schema.sql(LOCK_HEAD_AGGREGATES)))
-            .bind(limit)
-            .fetch_all(&mut *conn)
-            .await?;
-    if aggregates.is_empty() {
-        return Ok(Vec::new());
-    }
-    let rows = sqlx::query(AssertSqlSafe(schema.sql(PENDING_OF_AGGREGATES)))
-        .bind(limit)
-        .bind(aggregates)
-        .fetch_all(&mut *conn)
-        .await?;
-    rows.iter().map(decode_row).collect()
-}
-
-#[cfg(feature = "sqlite")]
-async fn claim_sqlite(
-    conn: &mut sqlx::SqliteConnection,
-    schema: &Schema,
-    limit: i64,
-) -> Result<Vec<OutboxRow>, sqlx::Error> {
-    conn.pending(schema, limit).await
-}
 
 const PENDING_COUNT: &str = "SELECT COUNT(*) FROM {schema}.sagabox_outbox WHERE sent_at IS NULL";
 const PRUNE_SENT: &str =
@@ -220,109 +164,80 @@ fn decode_error(error: KeyError) -> sqlx::Error {
     sqlx::Error::Decode(Box::new(error))
 }
 
-macro_rules! outbox_impls {
-    ($conn:ty, $claim:ident, $default_schema:expr) => {
-        impl OutboxWriter for $conn {
-            async fn publish(
-                &mut self,
-                destination: &ConsumerType,
-                aggregate: &str,
-                envelope: &Envelope,
-            ) -> Result<(), sqlx::Error> {
-                self.publish_in(&$default_schema, destination, aggregate, envelope)
-                    .await
-            }
+/// Writes one outbox row with `conn`: the body of both backends' [`OutboxWriter::publish_in`].
+async fn insert_row<DB: Database>(
+    conn: &mut DB::Connection,
+    schema: &Schema,
+    destination: &ConsumerType,
+    aggregate: &str,
+    envelope: &Envelope,
+) -> Result<(), sqlx::Error>
+where
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+    for<'t> Option<&'t str>: Encode<'t, DB> + Type<DB>,
+    for<'t> Json<&'t Value>: Encode<'t, DB> + Type<DB>,
+    for<'t> Json<Cow<'t, BTreeMap<String, String>>>: Encode<'t, DB> + Type<DB>,
+    for<'t> DateTime<Utc>: Encode<'t, DB> + Type<DB>,
+{
+    sqlx::query(AssertSqlSafe(schema.sql(INSERT)))
+        .bind(envelope.id.as_str())
+        .bind(aggregate)
+        .bind(destination.as_str())
+        .bind(envelope.kind.as_str())
+        .bind(envelope.saga_id.as_deref())
+        .bind(Json(&envelope.payload))
+        .bind(Json(crate::trace::with_current(&envelope.headers)))
+        .bind(envelope.published_at.unwrap_or_else(Utc::now))
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
 
-            async fn publish_in(
-                &mut self,
-                schema: &Schema,
-                destination: &ConsumerType,
-                aggregate: &str,
-                envelope: &Envelope,
-            ) -> Result<(), sqlx::Error> {
-                sqlx::query(AssertSqlSafe(schema.sql(INSERT)))
-                    .bind(envelope.id.as_str())
-                    .bind(aggregate)
-                    .bind(destination.as_str())
-                    .bind(envelope.kind.as_str())
-                    .bind(envelope.saga_id.as_deref())
-                    .bind(Json(&envelope.payload))
-                    .bind(Json(crate::trace::with_current(&envelope.headers)))
-                    .bind(envelope.published_at.unwrap_or_else(Utc::now))
-                    .execute(&mut *self)
-                    .await?;
-                Ok(())
-            }
-        }
+/// Reads the rows `sql` selects, every column, with `$1` the limit.
+async fn select_rows<DB: Database>(
+    conn: &mut DB::Connection,
+    sql: String,
+    limit: i64,
+) -> Result<Vec<OutboxRow>, sqlx::Error>
+where
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+    for<'t> i64: Encode<'t, DB> + Type<DB>,
+    usize: ColumnIndex<DB::Row>,
+    for<'r> &'r str: ColumnIndex<DB::Row>,
+    for<'r> String: Decode<'r, DB> + Type<DB>,
+    for<'r> Option<String>: Decode<'r, DB> + Type<DB>,
+    for<'r> i64: Decode<'r, DB> + Type<DB>,
+    for<'r> DateTime<Utc>: Decode<'r, DB> + Type<DB>,
+    for<'r> Json<Value>: Decode<'r, DB> + Type<DB>,
+    for<'r> Json<BTreeMap<String, String>>: Decode<'r, DB> + Type<DB>,
+{
+    let rows = sqlx::query(AssertSqlSafe(sql))
+        .bind(limit)
+        .fetch_all(&mut *conn)
+        .await?;
+    rows.iter().map(decode_row).collect()
+}
 
-        impl OutboxReader for $conn {
-            async fn pending(
-                &mut self,
-                schema: &Schema,
-                limit: i64,
-            ) -> Result<Vec<OutboxRow>, sqlx::Error> {
-                self.rows(schema.sql(PENDING), limit).await
-            }
-
-            async fn claim(
-                &mut self,
-                schema: &Schema,
-                limit: i64,
-            ) -> Result<Vec<OutboxRow>, sqlx::Error> {
-                $claim(self, schema, limit).await
-            }
-
-            async fn pending_count(&mut self, schema: &Schema) -> Result<u64, sqlx::Error> {
-                let count: i64 = sqlx::query_scalar(AssertSqlSafe(schema.sql(PENDING_COUNT)))
-                    .fetch_one(&mut *self)
-                    .await?;
-                Ok(u64::try_from(count).unwrap_or(0))
-            }
-
-            async fn prune_sent(
-                &mut self,
-                schema: &Schema,
-                before: DateTime<Utc>,
-            ) -> Result<u64, sqlx::Error> {
-                let done = sqlx::query(AssertSqlSafe(schema.sql(PRUNE_SENT)))
-                    .bind(before)
-                    .execute(&mut *self)
-                    .await?;
-                Ok(done.rows_affected())
-            }
-
-            async fn mark_sent(
-                &mut self,
-                schema: &Schema,
-                seq: i64,
-                now: DateTime<Utc>,
-            ) -> Result<bool, sqlx::Error> {
-                let done = sqlx::query(AssertSqlSafe(schema.sql(MARK_SENT)))
-                    .bind(seq)
-                    .bind(now)
-                    .execute(&mut *self)
-                    .await?;
-                Ok(done.rows_affected() == 1)
-            }
-        }
-
-        impl RowsOf for $conn {
-            async fn rows(
-                &mut self,
-                sql: String,
-                limit: i64,
-            ) -> Result<Vec<OutboxRow>, sqlx::Error> {
-                let rows = sqlx::query(AssertSqlSafe(sql))
-                    .bind(limit)
-                    .fetch_all(&mut *self)
-                    .await?;
-                rows.iter().map(decode_row).collect()
-            }
-        }
-    };
+/// How many rows are not yet sent.
+async fn count_pending<DB: Database>(
+    conn: &mut DB::Connection,
+    schema: &Schema,
+) -> Result<u64, sqlx::Error>
+where
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+    (i64,): for<'r> sqlx::FromRow<'r, DB::Row>,
+{
+    let count: i64 = sqlx::query_scalar(AssertSqlSafe(schema.sql(PENDING_COUNT)))
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(u64::try_from(count).unwrap_or(0))
 }
 
 #[cfg(feature = "postgres")]
-outbox_impls!(sqlx::PgConnection, claim_postgres, Schema::default());
+mod postgres;
 #[cfg(feature = "sqlite")]
-outbox_impls!(sqlx::SqliteConnection, claim_sqlite, Schema::sqlite());
+mod sqlite;

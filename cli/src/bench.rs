@@ -9,7 +9,7 @@
 //!   unpartitioned inbox, then the business statements if the claim was fresh;
 //! - `guard`: [`InboxGuard::process`] (partitioned inbox, cross-partition uniqueness,
 //!   result recorded);
-//! - `actor`: the full path — each message sent to a [`StepPool`] of `--concurrency`
+//! - `actor`: the full path — each message sent to a [`StepPool`](sagabox::step::StepPool) of `--concurrency`
 //!   worker actors and its reply awaited;
 //! - `batched`: [`InboxGuard::process_batch`] over batches of `--batch` messages, one
 //!   transaction per batch (a message's latency is its batch's), the business statements
@@ -31,6 +31,7 @@
 //! and pruning measurements of [`scale`].
 
 pub(crate) mod broker;
+mod modes;
 mod options;
 mod scale;
 
@@ -41,15 +42,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use rand::RngExt;
 use rand::rngs::StdRng;
-use rand::{RngExt, SeedableRng};
 use sagabox::Schema;
 use sagabox::database::Backend;
 use sagabox::logging::redact;
-use sagabox::step::{StepError, StepHandler, StepPool, StepPoolConfig};
 use sagabox::{
-    ConsumerType, Envelope, InboxConfig, InboxGuard, MAX_BATCH, MessageId, PostgresStore,
-    SqliteStore,
+    Envelope, InboxConfig, InboxGuard, MAX_BATCH, MessageId, PostgresStore, SqliteStore,
 };
 use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -172,12 +171,10 @@ fn rss_mb() -> f64 {
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// One mode set up and warmed up, with its figures so far.
-struct Prepared<P, O> {
+struct Prepared<U> {
     mode: Mode,
-    steps: Option<Arc<P>>,
-    op: O,
-    /// Messages per unit of work: 1, or a batch.
-    unit_size: usize,
+    /// What runs one unit of the mode's work.
+    unit: Arc<U>,
     rss_after_warmup: f64,
     latencies: Vec<Duration>,
     applied: usize,
@@ -212,13 +209,6 @@ CREATE TABLE bench_outbox (message_id TEXT NOT NULL, payload TEXT NOT NULL);
 CREATE TABLE bench_raw_inbox (consumer_type TEXT NOT NULL, message_id TEXT NOT NULL,
     processed_at TEXT NOT NULL, result TEXT, PRIMARY KEY (consumer_type, message_id)) WITHOUT ROWID;
 ";
-
-const RAW_CLAIM: &str = "INSERT INTO bench_raw_inbox (consumer_type, message_id, processed_at) \
-                         VALUES ($1, $2, $3) ON CONFLICT DO NOTHING";
-const RAW_RESULT: &str =
-    "UPDATE bench_raw_inbox SET result = $3 WHERE consumer_type = $1 AND message_id = $2";
-const BUSINESS_UPDATE: &str = "UPDATE bench_accounts SET balance = balance + 1 WHERE id = $1";
-const OUTBOX_INSERT: &str = "INSERT INTO bench_outbox (message_id, payload) VALUES ($1, $2)";
 
 /// The result a handler records with `--with-result` (else none): small, like a charge id.
 fn handler_result(with_result: bool, account: i64) -> serde_json::Value {
@@ -309,494 +299,10 @@ fn percentile(sorted: &[Duration], p: f64) -> u64 {
     sorted[rank].as_micros() as u64
 }
 
-macro_rules! backend_runner {
-    ($name:ident, $business:ident, $business_set:ident, $raw_batch:ident, $step:ident, $store:ty, $db:ty) => {
-        /// The business statements every mode runs, in the caller's transaction.
-        async fn $business(
-            conn: &mut <$db as sqlx::Database>::Connection,
-            envelope: &Envelope,
-            account: i64,
-        ) -> Result<(), sqlx::Error> {
-            sqlx::query(BUSINESS_UPDATE)
-                .bind(account)
-                .execute(&mut *conn)
-                .await?;
-            sqlx::query(OUTBOX_INSERT)
-                .bind(envelope.id.as_str())
-                .bind(envelope.payload.to_string())
-                .execute(&mut *conn)
-                .await?;
-            Ok(())
-        }
-
-        /// The `actor` mode's step: the same business statements, the account read from
-        /// the payload.
-        #[derive(Debug)]
-        struct $step {
-            claim_only: bool,
-            with_result: bool,
-        }
-
-        impl StepHandler<$db> for $step {
-            async fn handle(
-                &self,
-                conn: &mut <$db as sqlx::Database>::Connection,
-                envelope: &Envelope,
-            ) -> Result<serde_json::Value, StepError> {
-                let account = envelope.payload["account"]
-                    .as_i64()
-                    .ok_or_else(|| StepError::Permanent("payload has no integer account".into()))?;
-                if !self.claim_only {
-                    $business(conn, envelope, account)
-                        .await
-                        .map_err(|error| StepError::Retryable(error.to_string()))?;
-                }
-                Ok(handler_result(self.with_result, account))
-            }
-        }
-
-        async fn $name(
-            pool: Pool<$db>,
-            guard: InboxGuard<$store>,
-            args: &BenchArgs,
-        ) -> Result<Vec<ModeRun>, BoxError> {
-            let mut rng = StdRng::seed_from_u64(args.seed);
-            let claim_only = args.claim_only;
-            let with_result = args.with_result;
-            let batch = args.batch;
-            let mut results = Vec::new();
-            let mut prepared = Vec::new();
-            // Every mode gets the same messages; its own consumer type (guard, actor,
-            // batched) or table (raw_sql) keeps one mode's claims from meeting another's.
-            let messages = workload(args, &mut rng);
-            let warmup = workload(
-                &BenchArgs {
-                    messages: (args.messages / 10).max(1),
-                    ..args.clone()
-                },
-                &mut rng,
-            );
-            for &mode in Mode::all()
-                .iter()
-                .filter(|m| args.modes.is_empty() || args.modes.contains(m))
-            {
-                let consumer = ConsumerType::new(format!("bench-{}", mode.name()))?;
-                let steps = if mode == Mode::Actor {
-                    let config = StepPoolConfig {
-                        workers: args.concurrency,
-                    };
-                    Some(Arc::new(
-                        StepPool::spawn(
-                            guard.clone(),
-                            consumer.clone(),
-                            $step {
-                                claim_only,
-                                with_result,
-                            },
-                            config,
-                        )
-                        .await?,
-                    ))
-                } else {
-                    None
-                };
-                let unit_size = if matches!(
-                    mode,
-                    Mode::Batched | Mode::RawBatchSet | Mode::BatchedSet | Mode::SetNoInbox
-                ) {
-                    batch
-                } else {
-                    1
-                };
-                let op = {
-                    let (pool, guard, consumer, steps) =
-                        (pool.clone(), guard.clone(), consumer.clone(), steps.clone());
-                    move |messages: Arc<Vec<(Envelope, i64)>>, unit: usize| {
-                        let (pool, guard, consumer, steps) =
-                            (pool.clone(), guard.clone(), consumer.clone(), steps.clone());
-                        async move {
-                            let start = unit * unit_size;
-                            let end = (start + unit_size).min(messages.len());
-                            let (envelope, account) = &messages[start];
-                            let account = *account;
-                            let applied = match mode {
-                                Mode::RawSql => {
-                                    let mut tx = pool.begin().await?;
-                                    let fresh = sqlx::query(RAW_CLAIM)
-                                        .bind(consumer.as_str())
-                                        .bind(envelope.id.as_str())
-                                        .bind(chrono::Utc::now())
-                                        .execute(&mut *tx)
-                                        .await?
-                                        .rows_affected()
-                                        == 1;
-                                    if fresh && !claim_only {
-                                        $business(&mut tx, envelope, account).await?;
-                                    }
-                                    if fresh && with_result {
-                                        sqlx::query(RAW_RESULT)
-                                            .bind(consumer.as_str())
-                                            .bind(envelope.id.as_str())
-                                            .bind(sqlx::types::Json(handler_result(true, account)))
-                                            .execute(&mut *tx)
-                                            .await?;
-                                    }
-                                    tx.commit().await?;
-                                    usize::from(fresh)
-                                }
-                                Mode::NoInbox => {
-                                    let mut tx = pool.begin().await?;
-                                    if !claim_only {
-                                        $business(&mut tx, envelope, account).await?;
-                                    }
-                                    tx.commit().await?;
-                                    1
-                                }
-                                Mode::Guard => {
-                                    let outcome = guard
-                                        .process(&consumer, envelope, async |conn, envelope| {
-                                            if !claim_only {
-                                                $business(conn, envelope, account).await?;
-                                            }
-                                            Ok::<_, sqlx::Error>(handler_result(
-                                                with_result,
-                                                account,
-                                            ))
-                                        })
-                                        .await?;
-                                    usize::from(!outcome.is_duplicate())
-                                }
-                                Mode::Actor => {
-                                    let steps =
-                                        steps.as_ref().ok_or("actor mode without a pool")?;
-                                    let reply = steps
-                                        .deliver(envelope.clone(), Duration::from_secs(60))
-                                        .await?;
-                                    usize::from(!reply.duplicate)
-                                }
-                                Mode::SetNoInbox => {
-                                    let mut chunk: Vec<&(Envelope, i64)> =
-                                        messages[start..end].iter().collect();
-                                    chunk.sort_by_key(|(_, account)| *account);
-                                    let envelopes: Vec<&Envelope> =
-                                        chunk.into_iter().map(|(envelope, _)| envelope).collect();
-                                    let mut tx = pool.begin().await?;
-                                    if !claim_only {
-                                        $business_set(&mut tx, &envelopes).await?;
-                                    }
-                                    tx.commit().await?;
-                                    envelopes.len()
-                                }
-                                Mode::RawBatchSet => {
-                                    let mut chunk: Vec<&(Envelope, i64)> =
-                                        messages[start..end].iter().collect();
-                                    chunk.sort_by_key(|(_, account)| *account);
-                                    let envelopes: Vec<&Envelope> =
-                                        chunk.into_iter().map(|(envelope, _)| envelope).collect();
-                                    let mut tx = pool.begin().await?;
-                                    let fresh = $raw_batch(
-                                        &mut tx,
-                                        &consumer,
-                                        &envelopes,
-                                        claim_only,
-                                        with_result,
-                                    )
-                                    .await?;
-                                    tx.commit().await?;
-                                    fresh
-                                }
-                                Mode::BatchedSet => {
-                                    let mut chunk: Vec<&(Envelope, i64)> =
-                                        messages[start..end].iter().collect();
-                                    chunk.sort_by_key(|(_, account)| *account);
-                                    let envelopes: Vec<Envelope> = chunk
-                                        .into_iter()
-                                        .map(|(envelope, _)| envelope.clone())
-                                        .collect();
-                                    let outcomes = guard
-                                        .process_batch_set(
-                                            &consumer,
-                                            &envelopes,
-                                            async |conn, fresh| {
-                                                if !claim_only {
-                                                    $business_set(conn, fresh).await?;
-                                                }
-                                                Ok::<_, sqlx::Error>(
-                                                    fresh
-                                                        .iter()
-                                                        .map(|envelope| {
-                                                            handler_result(
-                                                                with_result,
-                                                                account_of(envelope),
-                                                            )
-                                                        })
-                                                        .collect(),
-                                                )
-                                            },
-                                        )
-                                        .await?;
-                                    let mut applied = 0;
-                                    for outcome in outcomes {
-                                        applied += usize::from(!outcome?.is_duplicate());
-                                    }
-                                    applied
-                                }
-                                Mode::Batched => {
-                                    // Ordered by account: handlers take their row locks in
-                                    // input order, and two batches locking shared rows in
-                                    // opposite orders deadlock (PostgreSQL aborts one).
-                                    let mut chunk: Vec<&(Envelope, i64)> =
-                                        messages[start..end].iter().collect();
-                                    chunk.sort_by_key(|(_, account)| *account);
-                                    let envelopes: Vec<Envelope> = chunk
-                                        .into_iter()
-                                        .map(|(envelope, _)| envelope.clone())
-                                        .collect();
-                                    let outcomes = guard
-                                        .process_batch(
-                                            &consumer,
-                                            &envelopes,
-                                            async |conn, envelope| {
-                                                let account = account_of(envelope);
-                                                if !claim_only {
-                                                    $business(conn, envelope, account).await?;
-                                                }
-                                                Ok::<_, sqlx::Error>(handler_result(
-                                                    with_result,
-                                                    account,
-                                                ))
-                                            },
-                                        )
-                                        .await?;
-                                    let mut applied = 0;
-                                    for outcome in outcomes {
-                                        applied += usize::from(!outcome?.is_duplicate());
-                                    }
-                                    applied
-                                }
-                            };
-                            Ok::<(usize, usize), BoxError>((end - start, applied))
-                        }
-                    }
-                };
-                let warm = warmup.clone();
-                let warm_op = {
-                    let op = op.clone();
-                    move |unit| op(warm.clone(), unit)
-                };
-                drive(warmup.len().div_ceil(unit_size), args.concurrency, warm_op).await?;
-                prepared.push(Prepared {
-                    mode,
-                    steps,
-                    op,
-                    unit_size,
-                    rss_after_warmup: rss_mb(),
-                    latencies: Vec::with_capacity(messages.len()),
-                    applied: 0,
-                    elapsed: Duration::ZERO,
-                });
-            }
-            // The measured messages in rounds, every mode taking its turn in each round:
-            // a checkpoint or an autovacuum run then slows every mode alike instead of
-            // whichever happened to be running, which would skew that mode's ratio.
-            // Round boundaries fall on batches.
-            let rounds = args.rounds.max(1);
-            let step = batch.max(1);
-            let chunk = (messages.len().div_ceil(rounds).div_ceil(step) * step).max(1);
-            for first in (0..messages.len()).step_by(chunk) {
-                let len = chunk.min(messages.len() - first);
-                for run in &mut prepared {
-                    // Units of this round: the mode's units are 1 or `batch` messages, and
-                    // rounds start on a multiple of `batch`.
-                    let unit_size = run.unit_size.max(1);
-                    let first_unit = first / unit_size;
-                    let measured_op = {
-                        let (op, messages) = (run.op.clone(), messages.clone());
-                        move |unit| op(messages.clone(), first_unit + unit)
-                    };
-                    let (latencies, applied, elapsed) =
-                        drive(len.div_ceil(unit_size), args.concurrency, measured_op).await?;
-                    run.latencies.extend(latencies);
-                    run.applied += applied;
-                    run.elapsed += elapsed;
-                }
-            }
-            for run in prepared {
-                let rss_end = rss_mb();
-                drop(run.op);
-                if let Some(steps) = run.steps.and_then(|steps| Arc::into_inner(steps)) {
-                    steps.stop().await;
-                }
-                results.push(ModeRun {
-                    mode: run.mode,
-                    latencies: run.latencies,
-                    applied: run.applied,
-                    elapsed: run.elapsed,
-                    rss_after_warmup: run.rss_after_warmup,
-                    rss_end,
-                });
-            }
-            Ok(results)
-        }
-    };
-}
-
-/// The business statements of a batch, set-based: one `UPDATE` and one `INSERT`.
-async fn business_set_pg(
-    conn: &mut sqlx::PgConnection,
-    envelopes: &[&Envelope],
-) -> Result<(), sqlx::Error> {
-    let accounts: Vec<i64> = envelopes.iter().map(|e| account_of(e)).collect();
-    let ids: Vec<&str> = envelopes.iter().map(|e| e.id.as_str()).collect();
-    let payloads: Vec<String> = envelopes.iter().map(|e| e.payload.to_string()).collect();
-    // Rows locked in id order first: the UPDATE's join locks them in plan order, and two
-    // batches locking shared rows in different orders deadlock.
-    sqlx::query("SELECT 1 FROM bench_accounts WHERE id = ANY($1) ORDER BY id FOR UPDATE")
-        .bind(&accounts)
-        .execute(&mut *conn)
-        .await?;
-    sqlx::query(
-        "UPDATE bench_accounts a SET balance = balance + d.n \
-           FROM (SELECT id, count(*) AS n FROM unnest($1::int8[]) AS u(id) GROUP BY id) d \
-          WHERE a.id = d.id",
-    )
-    .bind(&accounts)
-    .execute(&mut *conn)
-    .await?;
-    sqlx::query(
-        "INSERT INTO bench_outbox (message_id, payload) SELECT * FROM unnest($1::text[], $2::text[])",
-    )
-    .bind(&ids)
-    .bind(&payloads)
-    .execute(&mut *conn)
-    .await?;
-    Ok(())
-}
-
-/// `raw_batch_set` on PostgreSQL, the hand-written batched inbox: claim the batch's ids
-/// in one statement, apply the fresh ones set-based, store their results (with
-/// `--with-result`) in one more. Returns how many were fresh.
-async fn raw_batch_pg(
-    conn: &mut sqlx::PgConnection,
-    consumer: &ConsumerType,
-    envelopes: &[&Envelope],
-    claim_only: bool,
-    with_result: bool,
-) -> Result<usize, sqlx::Error> {
-    let ids: Vec<&str> = envelopes.iter().map(|e| e.id.as_str()).collect();
-    let inserted: Vec<String> = sqlx::query_scalar(
-        "INSERT INTO bench_raw_inbox (consumer_type, message_id, processed_at) \
-         SELECT $1, u.id, $3 FROM unnest($2::text[]) AS u(id) \
-         ON CONFLICT DO NOTHING RETURNING message_id",
-    )
-    .bind(consumer.as_str())
-    .bind(&ids)
-    .bind(chrono::Utc::now())
-    .fetch_all(&mut *conn)
-    .await?;
-    // A repeat inside the batch was inserted once: only its first copy is fresh.
-    let mut inserted: std::collections::HashSet<String> = inserted.into_iter().collect();
-    let fresh: Vec<&Envelope> = envelopes
-        .iter()
-        .copied()
-        .filter(|e| inserted.remove(e.id.as_str()))
-        .collect();
-    if !claim_only && !fresh.is_empty() {
-        business_set_pg(conn, &fresh).await?;
-    }
-    if with_result && !fresh.is_empty() {
-        let ids: Vec<&str> = fresh.iter().map(|e| e.id.as_str()).collect();
-        let results: Vec<sqlx::types::Json<serde_json::Value>> = fresh
-            .iter()
-            .map(|e| sqlx::types::Json(handler_result(true, account_of(e))))
-            .collect();
-        sqlx::query(
-            "UPDATE bench_raw_inbox i SET result = u.result \
-               FROM unnest($2::text[], $3::jsonb[]) AS u(message_id, result) \
-              WHERE i.consumer_type = $1 AND i.message_id = u.message_id",
-        )
-        .bind(consumer.as_str())
-        .bind(&ids)
-        .bind(&results)
-        .execute(&mut *conn)
-        .await?;
-    }
-    Ok(fresh.len())
-}
-
-/// `raw_batch_set` on SQLite, where a statement is an in-process call: the raw claim
-/// and the business statements per message, in the batch's one transaction.
-async fn raw_batch_lite(
-    conn: &mut sqlx::SqliteConnection,
-    consumer: &ConsumerType,
-    envelopes: &[&Envelope],
-    claim_only: bool,
-    with_result: bool,
-) -> Result<usize, sqlx::Error> {
-    let mut fresh = 0;
-    for envelope in envelopes {
-        let claimed = sqlx::query(RAW_CLAIM)
-            .bind(consumer.as_str())
-            .bind(envelope.id.as_str())
-            .bind(chrono::Utc::now())
-            .execute(&mut *conn)
-            .await?
-            .rows_affected()
-            == 1;
-        if !claimed {
-            continue;
-        }
-        fresh += 1;
-        let account = account_of(envelope);
-        if !claim_only {
-            business_lite(conn, envelope, account).await?;
-        }
-        if with_result {
-            sqlx::query(RAW_RESULT)
-                .bind(consumer.as_str())
-                .bind(envelope.id.as_str())
-                .bind(sqlx::types::Json(handler_result(true, account)))
-                .execute(&mut *conn)
-                .await?;
-        }
-    }
-    Ok(fresh)
-}
-
-/// On SQLite a statement is an in-process call: the same statements per message.
-async fn business_set_lite(
-    conn: &mut sqlx::SqliteConnection,
-    envelopes: &[&Envelope],
-) -> Result<(), sqlx::Error> {
-    for envelope in envelopes {
-        business_lite(conn, envelope, account_of(envelope)).await?;
-    }
-    Ok(())
-}
-
 /// The account a workload message deposits to (set by [`workload`]).
 fn account_of(envelope: &Envelope) -> i64 {
     envelope.payload["account"].as_i64().unwrap_or_default()
 }
-
-backend_runner!(
-    run_postgres,
-    business_pg,
-    business_set_pg,
-    raw_batch_pg,
-    PgStep,
-    PostgresStore,
-    sqlx::Postgres
-);
-backend_runner!(
-    run_sqlite,
-    business_lite,
-    business_set_lite,
-    raw_batch_lite,
-    LiteStep,
-    SqliteStore,
-    sqlx::Sqlite
-);
 
 /// The scratch file of a run on SQLite: beside the file `url` names, so that the disk
 /// measured is the one the given database is on.
@@ -882,7 +388,7 @@ async fn on_postgres(
         let store = PostgresStore::new(pool.clone()).with_schema(Schema::new(schema)?);
         let guard = InboxGuard::new(store, InboxConfig::default())?;
         guard.migrate().await?;
-        let results = run_postgres(pool.clone(), guard.clone(), args).await?;
+        let results = modes::run_modes(pool.clone(), guard.clone(), args).await?;
         if args.prefill > 0 {
             let empty = results
                 .iter()
@@ -955,7 +461,7 @@ async fn on_sqlite(args: &BenchArgs, connections: u32) -> Result<Vec<ModeRun>, B
         sqlx::raw_sql(SQLITE_SETUP).execute(&pool).await?;
         let guard = InboxGuard::new(store, InboxConfig::default())?;
         guard.migrate().await?;
-        run_sqlite(pool.clone(), guard, args).await
+        modes::run_modes(pool.clone(), guard, args).await
     }
     .await;
     pool.close().await;

@@ -10,11 +10,12 @@ use std::future::Future;
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
+use sqlx::query::Query;
 use sqlx::types::Json;
-use sqlx::{AssertSqlSafe, Database, Row};
+use sqlx::{Database, Decode, Encode, QueryBuilder, Row, Type};
 
 use crate::month::Month;
-use crate::saga::history::{self, HistoryEntry, SagaEvent};
+use crate::saga::history::{HistoryEntry, SagaEvent};
 use crate::saga::versions::RegisterError;
 use crate::saga::{Direction, EventKind, SagaDefinition, SagaInstance, SagaState, SagaStatus};
 
@@ -295,15 +296,6 @@ macro_rules! save_progress {
     };
 }
 
-/// The `started` event of the saga a PostgreSQL insert's `saga` CTE returned.
-#[cfg(feature = "postgres")]
-macro_rules! pg_started_event {
-    () => {
-        "INSERT INTO {schema}.sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind) \
-         SELECT id, created_at, 0, 0, $8, 'started' FROM saga"
-    };
-}
-
 /// How many times [`SagaStore::create_if_absent`] inserts again when the saga it lost to
 /// was deleted before it could read it back.
 const CREATE_ATTEMPTS: usize = 3;
@@ -334,70 +326,6 @@ const STORED_FINGERPRINT: &str =
     "SELECT fingerprint FROM {schema}.sagabox_saga_definitions WHERE name = $1 AND version = $2";
 const STORED_DEFINITION: &str =
     "SELECT definition FROM {schema}.sagabox_saga_definitions WHERE name = $1 AND version = $2";
-
-/// The SQL that differs between the two databases.
-#[cfg(feature = "postgres")]
-mod pg {
-    /// Inserts the saga and its `started` event in one statement.
-    pub(super) const INSERT: &str = concat!(
-        "WITH saga AS (",
-        insert_saga!(),
-        " RETURNING id, created_at) ",
-        pg_started_event!()
-    );
-    /// [`INSERT`], unless a saga with the id is stored: then neither row is written.
-    pub(super) const INSERT_IF_ABSENT: &str = concat!(
-        "WITH saga AS (",
-        insert_saga!(),
-        " ON CONFLICT (id) DO NOTHING RETURNING id, created_at) ",
-        pg_started_event!()
-    );
-    /// Saves the state alone, for a save without events.
-    pub(super) const UPDATE: &str = save_progress!();
-    /// Finished sagas per minute (as seconds since the epoch) and status.
-    pub(super) const FINISHED_PER_MINUTE: &str = "SELECT \
-        CAST(floor(extract(epoch FROM updated_at) / 60) * 60 AS BIGINT) AS minute, status, \
-        COUNT(*) AS sagas FROM {schema}.sagabox_saga_instances \
-        WHERE status IN ('completed', 'compensated') AND updated_at >= $1 \
-        GROUP BY 1, 2 ORDER BY 1, 2";
-    /// Saves the state and its events in one statement: no event row without the state's
-    /// update, which the version fence may refuse.
-    pub(super) const SAVE: &str = concat!(
-        "WITH saga AS (",
-        save_progress!(),
-        " RETURNING id, created_at, version) \
-        INSERT INTO {schema}.sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind, \
-            step, direction, attempt, duration_ms, detail) \
-        SELECT saga.id, saga.created_at, saga.version, e.ordinal, e.at, e.kind, e.step, \
-            e.direction, e.attempt, e.duration_ms, e.detail \
-        FROM saga CROSS JOIN jsonb_to_recordset($12) AS e(ordinal integer, at timestamptz, \
-            kind text, step text, direction text, attempt integer, duration_ms bigint, detail text)"
-    );
-}
-
-/// The SQL that differs between the two databases.
-#[cfg(feature = "sqlite")]
-mod lite {
-    pub(super) const INSERT: &str = insert_saga!();
-    pub(super) const INSERT_IF_ABSENT: &str =
-        concat!(insert_saga!(), " ON CONFLICT (id) DO NOTHING");
-    pub(super) const STARTED: &str = "INSERT INTO {schema}.sagabox_saga_events \
-        (saga_id, saga_created_at, version, ordinal, at, kind) VALUES ($1, $2, 0, 0, $3, 'started')";
-    pub(super) const UPDATE: &str = concat!(save_progress!(), " RETURNING version");
-    /// Finished sagas per minute (as seconds since the epoch) and status: the stored
-    /// timestamps are RFC 3339 text, which `unixepoch` reads.
-    pub(super) const FINISHED_PER_MINUTE: &str = "SELECT \
-        (unixepoch(updated_at) / 60) * 60 AS minute, status, COUNT(*) AS sagas \
-        FROM {schema}.sagabox_saga_instances WHERE status IN ('completed', 'compensated') AND updated_at >= $1 \
-        GROUP BY 1, 2 ORDER BY 1, 2";
-    pub(super) const EVENTS: &str = "INSERT INTO {schema}.sagabox_saga_events (saga_id, saga_created_at, \
-        version, ordinal, at, kind, step, direction, attempt, duration_ms, detail) \
-        SELECT $1, $2, $3, json_extract(value, '$.ordinal'), json_extract(value, '$.at'), \
-            json_extract(value, '$.kind'), json_extract(value, '$.step'), \
-            json_extract(value, '$.direction'), json_extract(value, '$.attempt'), \
-            json_extract(value, '$.duration_ms'), json_extract(value, '$.detail') \
-        FROM json_each($4)";
-}
 
 fn from_row<R: Row>(row: &R) -> Result<SagaInstance, sqlx::Error>
 where
@@ -487,485 +415,168 @@ fn command_round(instance: &SagaInstance) -> i32 {
     i32::try_from(instance.command_round).unwrap_or(i32::MAX)
 }
 
-macro_rules! common_methods {
-    ($db:ty, $finished_per_minute:expr) => {
-        async fn load(&self, id: &str) -> Result<Option<SagaInstance>, sqlx::Error> {
-            let row = sqlx::query(AssertSqlSafe(self.schema().sql(SELECT)))
-                .bind(id)
-                .fetch_optional(self.pool())
-                .await?;
-            row.as_ref().map(from_row).transpose()
-        }
-
-        async fn unfinished(&self, saga_name: &str) -> Result<Vec<String>, sqlx::Error> {
-            sqlx::query_scalar(AssertSqlSafe(self.schema().sql(UNFINISHED)))
-                .bind(saga_name)
-                .fetch_all(self.pool())
-                .await
-        }
-
-        async fn history(&self, id: &str) -> Result<Vec<HistoryEntry>, sqlx::Error> {
-            let rows = sqlx::query(AssertSqlSafe(self.schema().sql(HISTORY)))
-                .bind(id)
-                .fetch_all(self.pool())
-                .await?;
-            rows.iter().map(entry_from_row).collect()
-        }
-
-        async fn register_definition(
-            &self,
-            definition: &SagaDefinition,
-        ) -> Result<(), RegisterError> {
-            let fingerprint = definition.fingerprint();
-            let version = i32::try_from(definition.version()).unwrap_or(i32::MAX);
-            sqlx::query(AssertSqlSafe(self.schema().sql(REGISTER)))
-                .bind(definition.name())
-                .bind(version)
-                .bind(&fingerprint)
-                .bind(definition.to_canonical_toml())
-                .bind(Utc::now())
-                .execute(self.pool())
-                .await?;
-            let stored: String =
-                sqlx::query_scalar(AssertSqlSafe(self.schema().sql(STORED_FINGERPRINT)))
-                    .bind(definition.name())
-                    .bind(version)
-                    .fetch_one(self.pool())
-                    .await?;
-            if stored == fingerprint {
-                Ok(())
-            } else {
-                Err(RegisterError::Changed {
-                    name: definition.name().to_owned(),
-                    version: definition.version(),
-                })
-            }
-        }
-
-        async fn stored_definition(
-            &self,
-            name: &str,
-            version: u32,
-        ) -> Result<Option<String>, sqlx::Error> {
-            sqlx::query_scalar(AssertSqlSafe(self.schema().sql(STORED_DEFINITION)))
-                .bind(name)
-                .bind(i32::try_from(version).unwrap_or(i32::MAX))
-                .fetch_optional(self.pool())
-                .await
-        }
-
-        async fn list(&self, filter: &SagaFilter) -> Result<Vec<SagaInstance>, sqlx::Error> {
-            let mut query = sqlx::QueryBuilder::<$db>::new(self.schema().sql(LIST_SELECT));
-            let (status, parked) = state_params(filter);
-            if let Some(status) = status {
-                query.push(" AND status = ").push_bind(status);
-            }
-            match parked {
-                Some(true) => _ = query.push(" AND parked_reason IS NOT NULL"),
-                Some(false) => _ = query.push(" AND parked_reason IS NULL"),
-                None => {}
-            }
-            if let Some(name) = &filter.saga_name {
-                query.push(" AND saga_name = ").push_bind(name.as_str());
-            }
-            if let Some(since) = filter.created_since {
-                query.push(" AND created_at >= ").push_bind(since);
-            }
-            if let Some(cursor) = &filter.after {
-                query
-                    .push(" AND (created_at, id) < (")
-                    .push_bind(cursor.created_at)
-                    .push(", ")
-                    .push_bind(cursor.id.as_str())
-                    .push(")");
-            }
-            query
-                .push(" ORDER BY created_at DESC, id DESC LIMIT ")
-                .push_bind(i64::from(filter.limit));
-            let rows = query.build().fetch_all(self.pool()).await?;
-            rows.iter().map(from_row).collect()
-        }
-
-        async fn counts(&self) -> Result<Vec<SagaCount>, sqlx::Error> {
-            let rows = sqlx::query(AssertSqlSafe(self.schema().sql(COUNTS)))
-                .fetch_all(self.pool())
-                .await?;
-            rows.iter()
-                .map(|row| {
-                    let status: String = row.try_get("status")?;
-                    let status: SagaStatus = status
-                        .parse()
-                        .map_err(|error| sqlx::Error::Decode(Box::new(error)))?;
-                    let parked: bool = row.try_get("parked")?;
-                    Ok(SagaCount {
-                        saga_name: row.try_get("saga_name")?,
-                        state: if parked {
-                            SagaState::Parked
-                        } else {
-                            SagaState::Status(status)
-                        },
-                        sagas: row.try_get("sagas")?,
-                    })
-                })
-                .collect()
-        }
-
-        async fn finished_per_minute(
-            &self,
-            since: DateTime<Utc>,
-        ) -> Result<Vec<FinishedMinute>, sqlx::Error> {
-            let rows = sqlx::query(AssertSqlSafe(self.schema().sql($finished_per_minute)))
-                .bind(since)
-                .fetch_all(self.pool())
-                .await?;
-            rows.iter()
-                .map(|row| {
-                    let minute: i64 = row.try_get("minute")?;
-                    let status: String = row.try_get("status")?;
-                    Ok(FinishedMinute {
-                        minute: DateTime::from_timestamp(minute, 0).ok_or_else(|| {
-                            sqlx::Error::Decode(format!("minute {minute} out of range").into())
-                        })?,
-                        status: status
-                            .parse()
-                            .map_err(|error| sqlx::Error::Decode(Box::new(error)))?,
-                        sagas: row.try_get("sagas")?,
-                    })
-                })
-                .collect()
-        }
-    };
-}
-
 /// The history rows of finished sagas created before a month's start.
 const FINISHED_HISTORY: &str = "FROM {schema}.sagabox_saga_events WHERE saga_created_at < $1 \
     AND NOT EXISTS (SELECT 1 FROM {schema}.sagabox_saga_instances s \
     WHERE s.id = sagabox_saga_events.saga_id AND s.status IN ('running', 'compensating'))";
 
-/// Deletes (or, dry, counts) the history rows left of finished sagas created before
-/// `before`: every row on SQLite; on PostgreSQL those the partitions dropped whole did
-/// not take (the default partition's, and months with an unfinished saga).
-macro_rules! delete_finished_history {
-    ($pool:expr, $schema:expr, $before:expr, $dry_run:expr) => {{
-        if $dry_run {
-            let rows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(
-                $schema.sql(&format!("SELECT COUNT(*) {FINISHED_HISTORY}")),
-            ))
-            .bind($before.start())
-            .fetch_one($pool)
-            .await?;
-            u64::try_from(rows).unwrap_or(0)
+/// A query of database `DB` whose arguments are bound as it is built.
+type BoundQuery<'q, DB> = Query<'q, DB, <DB as Database>::Arguments>;
+
+/// Binds an instance's columns to an insert, in the order [`insert_saga!`] names them.
+fn bind_instance<'q, DB: Database>(
+    query: BoundQuery<'q, DB>,
+    instance: &SagaInstance,
+) -> BoundQuery<'q, DB>
+where
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+    for<'t> Option<&'t str>: Encode<'t, DB> + Type<DB>,
+    for<'t> i32: Encode<'t, DB> + Type<DB>,
+    for<'t> Json<&'t Value>: Encode<'t, DB> + Type<DB>,
+    for<'t> DateTime<Utc>: Encode<'t, DB> + Type<DB>,
+    for<'t> Option<DateTime<Utc>>: Encode<'t, DB> + Type<DB>,
+{
+    query
+        .bind(instance.id.as_str())
+        .bind(instance.saga_name.as_str())
+        .bind(instance.status.as_str())
+        .bind(instance.current_step)
+        .bind(instance.attempts)
+        .bind(Json(&instance.data))
+        .bind(instance.created_at)
+        .bind(instance.updated_at)
+        .bind(instance.last_error.as_deref())
+        .bind(definition_version(instance))
+        .bind(instance.parked.as_deref())
+        .bind(instance.deadline_at)
+        .bind(command_round(instance))
+}
+
+/// Binds a save's parameters, `$1` to `$11` of [`save_progress!`].
+fn bind_progress<'q, DB: Database>(
+    query: BoundQuery<'q, DB>,
+    instance: &SagaInstance,
+) -> BoundQuery<'q, DB>
+where
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+    for<'t> Option<&'t str>: Encode<'t, DB> + Type<DB>,
+    for<'t> i32: Encode<'t, DB> + Type<DB>,
+    for<'t> i64: Encode<'t, DB> + Type<DB>,
+    for<'t> Json<&'t Value>: Encode<'t, DB> + Type<DB>,
+    for<'t> DateTime<Utc>: Encode<'t, DB> + Type<DB>,
+    for<'t> Option<DateTime<Utc>>: Encode<'t, DB> + Type<DB>,
+{
+    query
+        .bind(instance.id.as_str())
+        .bind(instance.status.as_str())
+        .bind(instance.current_step)
+        .bind(instance.attempts)
+        .bind(Json(&instance.data))
+        .bind(instance.updated_at)
+        .bind(instance.last_error.as_deref())
+        .bind(instance.version)
+        .bind(instance.parked.as_deref())
+        .bind(instance.deadline_at)
+        .bind(command_round(instance))
+}
+
+/// Adds [`SagaStore::list`]'s filters, order and limit to [`LIST_SELECT`]: only the
+/// filters given, each an `AND …`, so each is an index condition and the page cursor a
+/// range on `(created_at, id)`, however deep the page.
+fn push_list_filters<DB: Database>(query: &mut QueryBuilder<DB>, filter: &SagaFilter)
+where
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+    for<'t> i64: Encode<'t, DB> + Type<DB>,
+    for<'t> DateTime<Utc>: Encode<'t, DB> + Type<DB>,
+{
+    let (status, parked) = state_params(filter);
+    if let Some(status) = status {
+        query.push(" AND status = ").push_bind(status);
+    }
+    match parked {
+        Some(true) => _ = query.push(" AND parked_reason IS NOT NULL"),
+        Some(false) => _ = query.push(" AND parked_reason IS NULL"),
+        None => {}
+    }
+    if let Some(name) = &filter.saga_name {
+        query.push(" AND saga_name = ").push_bind(name.as_str());
+    }
+    if let Some(since) = filter.created_since {
+        query.push(" AND created_at >= ").push_bind(since);
+    }
+    if let Some(cursor) = &filter.after {
+        query
+            .push(" AND (created_at, id) < (")
+            .push_bind(cursor.created_at)
+            .push(", ")
+            .push_bind(cursor.id.as_str())
+            .push(")");
+    }
+    query
+        .push(" ORDER BY created_at DESC, id DESC LIMIT ")
+        .push_bind(i64::from(filter.limit));
+}
+
+/// One row of [`COUNTS`].
+fn count_from_row<R: Row>(row: &R) -> Result<SagaCount, sqlx::Error>
+where
+    for<'r> &'r str: sqlx::ColumnIndex<R>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> bool: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let status: String = row.try_get("status")?;
+    let status: SagaStatus = status
+        .parse()
+        .map_err(|error| sqlx::Error::Decode(Box::new(error)))?;
+    let parked: bool = row.try_get("parked")?;
+    Ok(SagaCount {
+        saga_name: row.try_get("saga_name")?,
+        state: if parked {
+            SagaState::Parked
         } else {
-            sqlx::query(sqlx::AssertSqlSafe(
-                $schema.sql(&format!("DELETE {FINISHED_HISTORY}")),
-            ))
-            .bind($before.start())
-            .execute($pool)
-            .await?
-            .rows_affected()
-        }
-    }};
+            SagaState::Status(status)
+        },
+        sagas: row.try_get("sagas")?,
+    })
 }
 
-/// Binds a save's parameters, `$1` to `$11` of `save_progress!`.
-macro_rules! bind_progress {
-    ($query:expr, $instance:expr) => {
-        $query
-            .bind(&$instance.id)
-            .bind($instance.status.as_str())
-            .bind($instance.current_step)
-            .bind($instance.attempts)
-            .bind(Json(&$instance.data))
-            .bind($instance.updated_at)
-            .bind(&$instance.last_error)
-            .bind($instance.version)
-            .bind(&$instance.parked)
-            .bind($instance.deadline_at)
-            .bind(command_round($instance))
-    };
+/// One row of a backend's finished-per-minute query: the minute as seconds since the
+/// epoch, the status, the count.
+fn minute_from_row<R: Row>(row: &R) -> Result<FinishedMinute, sqlx::Error>
+where
+    for<'r> &'r str: sqlx::ColumnIndex<R>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let minute: i64 = row.try_get("minute")?;
+    let status: String = row.try_get("status")?;
+    Ok(FinishedMinute {
+        minute: DateTime::from_timestamp(minute, 0)
+            .ok_or_else(|| sqlx::Error::Decode(format!("minute {minute} out of range").into()))?,
+        status: status
+            .parse()
+            .map_err(|error| sqlx::Error::Decode(Box::new(error)))?,
+        sagas: row.try_get("sagas")?,
+    })
 }
 
-/// Binds an instance's columns to an insert, in the order the inserts name them.
-macro_rules! bind_instance {
-    ($query:expr, $instance:expr) => {
-        $query
-            .bind(&$instance.id)
-            .bind(&$instance.saga_name)
-            .bind($instance.status.as_str())
-            .bind($instance.current_step)
-            .bind($instance.attempts)
-            .bind(Json(&$instance.data))
-            .bind($instance.created_at)
-            .bind($instance.updated_at)
-            .bind(&$instance.last_error)
-            .bind(definition_version($instance))
-            .bind(&$instance.parked)
-            .bind($instance.deadline_at)
-            .bind(command_round($instance))
-    };
-}
-
-#[cfg(feature = "postgres")]
-impl SagaInsert for crate::PostgresStore {
-    type SagaDb = sqlx::Postgres;
-
-    async fn insert(
-        &self,
-        conn: &mut sqlx::PgConnection,
-        instance: &SagaInstance,
-    ) -> Result<(), sqlx::Error> {
-        bind_instance!(
-            sqlx::query(AssertSqlSafe(self.schema().sql(pg::INSERT))),
-            instance
-        )
-        .execute(&mut *conn)
-        .await?;
+/// Whether the fingerprint stored for `definition`'s name and version is its own: a
+/// definition changed under an unchanged version is refused.
+fn check_registered(stored: &str, definition: &SagaDefinition) -> Result<(), RegisterError> {
+    if stored == definition.fingerprint() {
         Ok(())
-    }
-}
-
-#[cfg(feature = "postgres")]
-impl SagaStore for crate::PostgresStore {
-    async fn create_if_absent(&self, instance: &SagaInstance) -> Result<Started, sqlx::Error> {
-        for _ in 0..CREATE_ATTEMPTS {
-            let inserted = bind_instance!(
-                sqlx::query(AssertSqlSafe(self.schema().sql(pg::INSERT_IF_ABSENT))),
-                instance
-            )
-            .execute(self.pool())
-            .await?
-            .rows_affected()
-                == 1;
-            if let Some(started) = started(self, instance, inserted).await? {
-                return Ok(started);
-            }
-        }
-        Err(sqlx::Error::RowNotFound)
-    }
-
-    async fn save(
-        &self,
-        instance: &mut SagaInstance,
-        events: &[SagaEvent],
-    ) -> Result<bool, sqlx::Error> {
-        let sql = if events.is_empty() {
-            pg::UPDATE
-        } else {
-            pg::SAVE
-        };
-        let query = bind_progress!(sqlx::query(AssertSqlSafe(self.schema().sql(sql))), instance);
-        let query = if events.is_empty() {
-            query
-        } else {
-            query.bind(Json(history::rows(events)))
-        };
-        let written = query.execute(self.pool()).await?.rows_affected();
-        let saved = written > 0;
-        if saved {
-            instance.version += 1;
-        }
-        Ok(saved)
-    }
-
-    async fn prepare_history(&self, months: &[Month]) -> Result<Vec<Month>, sqlx::Error> {
-        let mut created = Vec::new();
-        for &month in months {
-            let name = self
-                .schema()
-                .table(&format!("{HISTORY_PARTITION_PREFIX}{}", month.suffix()));
-            let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-                .bind(&name)
-                .fetch_one(self.pool())
-                .await?;
-            if exists {
-                continue;
-            }
-            let Some(next) = month.next() else { continue };
-            // The bounds are dates the program formats, never input.
-            let create = format!(
-                "CREATE TABLE {name} PARTITION OF {} \
-                 FOR VALUES FROM ('{}') TO ('{}')",
-                self.schema().table("sagabox_saga_events"),
-                month.start().format("%Y-%m-%d %H:%M:%S+00"),
-                next.start().format("%Y-%m-%d %H:%M:%S+00"),
-            );
-            match sqlx::raw_sql(sqlx::AssertSqlSafe(create))
-                .execute(self.pool())
-                .await
-            {
-                Ok(_) => created.push(month),
-                // Rows of the month are in the default partition already (a saga created
-                // with a clock ahead), or another instance created it just now: either
-                // way the month's rows have a home.
-                Err(error) => {
-                    tracing::debug!(%month, %error, "saga history partition not created");
-                }
-            }
-        }
-        Ok(created)
-    }
-
-    async fn prune_history(
-        &self,
-        before: Month,
-        dry_run: bool,
-    ) -> Result<HistoryPruned, sqlx::Error> {
-        let partitions: Vec<String> = sqlx::query_scalar(
-            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-             WHERE i.inhparent = to_regclass($1) ORDER BY 1",
-        )
-        .bind(self.schema().table("sagabox_saga_events"))
-        .fetch_all(self.pool())
-        .await?;
-        let mut pruned = HistoryPruned::default();
-        let mut in_dropped = 0;
-        for name in partitions {
-            let Some(month) = Month::from_table_name(HISTORY_PARTITION_PREFIX, &name) else {
-                continue;
-            };
-            if month >= before {
-                continue;
-            }
-            let unfinished: bool = sqlx::query_scalar(AssertSqlSafe(self.schema().sql(
-                "SELECT EXISTS (SELECT 1 FROM {schema}.sagabox_saga_instances WHERE created_at >= $1 \
-                 AND created_at < $2 AND status IN ('running', 'compensating'))",
-            )))
-            .bind(month.start())
-            .bind(month.end())
-            .fetch_one(self.pool())
-            .await?;
-            if unfinished {
-                continue;
-            }
-            if dry_run {
-                // Counted below with the rows a real pass deletes one by one.
-                let rows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-                    "SELECT COUNT(*) FROM {}",
-                    self.schema().table(&name)
-                )))
-                .fetch_one(self.pool())
-                .await?;
-                in_dropped += u64::try_from(rows).unwrap_or(0);
-            } else {
-                sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-                    "DROP TABLE {}",
-                    self.schema().table(&name)
-                )))
-                .execute(self.pool())
-                .await?;
-            }
-            pruned.months_dropped.push(month);
-        }
-        pruned.rows_deleted = delete_finished_history!(self.pool(), self.schema(), before, dry_run)
-            .saturating_sub(in_dropped);
-        Ok(pruned)
-    }
-
-    common_methods!(sqlx::Postgres, pg::FINISHED_PER_MINUTE);
-}
-
-#[cfg(feature = "sqlite")]
-impl SagaInsert for crate::SqliteStore {
-    type SagaDb = sqlx::Sqlite;
-
-    async fn insert(
-        &self,
-        conn: &mut sqlx::SqliteConnection,
-        instance: &SagaInstance,
-    ) -> Result<(), sqlx::Error> {
-        use sqlx::Connection;
-        // A savepoint inside the caller's transaction, a transaction of its own otherwise.
-        let mut tx = conn.begin().await?;
-        bind_instance!(
-            sqlx::query(AssertSqlSafe(self.schema().sql(lite::INSERT))),
-            instance
-        )
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query(AssertSqlSafe(self.schema().sql(lite::STARTED)))
-            .bind(&instance.id)
-            .bind(instance.created_at)
-            .bind(instance.updated_at)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await
-    }
-}
-
-#[cfg(feature = "sqlite")]
-impl SagaStore for crate::SqliteStore {
-    async fn create_if_absent(&self, instance: &SagaInstance) -> Result<Started, sqlx::Error> {
-        for _ in 0..CREATE_ATTEMPTS {
-            let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
-            let inserted = bind_instance!(
-                sqlx::query(AssertSqlSafe(self.schema().sql(lite::INSERT_IF_ABSENT))),
-                instance
-            )
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-                == 1;
-            if inserted {
-                sqlx::query(AssertSqlSafe(self.schema().sql(lite::STARTED)))
-                    .bind(&instance.id)
-                    .bind(instance.created_at)
-                    .bind(instance.updated_at)
-                    .execute(&mut *tx)
-                    .await?;
-            }
-            tx.commit().await?;
-            if let Some(started) = started(self, instance, inserted).await? {
-                return Ok(started);
-            }
-        }
-        Err(sqlx::Error::RowNotFound)
-    }
-
-    async fn save(
-        &self,
-        instance: &mut SagaInstance,
-        events: &[SagaEvent],
-    ) -> Result<bool, sqlx::Error> {
-        let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
-        let version: Option<i64> = bind_progress!(
-            sqlx::query_scalar(AssertSqlSafe(self.schema().sql(lite::UPDATE))),
-            instance
-        )
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some(version) = version else {
-            return Ok(false);
-        };
-        if !events.is_empty() {
-            sqlx::query(AssertSqlSafe(self.schema().sql(lite::EVENTS)))
-                .bind(&instance.id)
-                .bind(instance.created_at)
-                .bind(version)
-                .bind(Json(history::rows(events)))
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-        instance.version = version;
-        Ok(true)
-    }
-
-    async fn prepare_history(&self, _months: &[Month]) -> Result<Vec<Month>, sqlx::Error> {
-        Ok(Vec::new())
-    }
-
-    async fn prune_history(
-        &self,
-        before: Month,
-        dry_run: bool,
-    ) -> Result<HistoryPruned, sqlx::Error> {
-        Ok(HistoryPruned {
-            months_dropped: Vec::new(),
-            rows_deleted: delete_finished_history!(self.pool(), self.schema(), before, dry_run),
+    } else {
+        Err(RegisterError::Changed {
+            name: definition.name().to_owned(),
+            version: definition.version(),
         })
     }
+}
 
-    common_methods!(sqlx::Sqlite, lite::FINISHED_PER_MINUTE);
+/// A definition's version as stored.
+fn stored_version(version: u32) -> i32 {
+    i32::try_from(version).unwrap_or(i32::MAX)
 }
 
 /// The saga `instance` started: itself when `inserted`, else the stored one read back
@@ -991,3 +602,8 @@ async fn started<S: SagaStore>(
         created: false,
     }))
 }
+
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "sqlite")]
+mod sqlite;

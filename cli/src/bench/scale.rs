@@ -20,7 +20,8 @@ use serde::Serialize;
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
-use super::{BenchArgs, BoxError, ModeRun, business_pg, drive, percentile, workload};
+use super::modes::BenchDb;
+use super::{BenchArgs, BoxError, ModeRun, drive, percentile, workload};
 
 /// `--prefill` figures.
 #[derive(Debug, Clone, Serialize)]
@@ -142,7 +143,7 @@ async fn guard_run(
                 let outcome = guard
                     .process(&consumer, envelope, async |conn, envelope| {
                         if !claim_only {
-                            business_pg(conn, envelope, account).await?;
+                            PostgresStore::business(conn, envelope, account).await?;
                         }
                         Ok::<_, sqlx::Error>(serde_json::Value::Null)
                     })
@@ -240,7 +241,7 @@ fn claim_load(
                     let start = Instant::now();
                     guard
                         .process(&consumer, &envelope, async |conn, envelope| {
-                            business_pg(conn, envelope, account).await?;
+                            PostgresStore::business(conn, envelope, account).await?;
                             Ok::<_, sqlx::Error>(serde_json::Value::Null)
                         })
                         .await?;

@@ -1,0 +1,325 @@
+//! [`SagaStore`] on PostgreSQL: a save writes the state and its events in one statement,
+//! the state's `UPDATE` in a common table expression feeding the events' `INSERT`; the
+//! history is partitioned by month, and pruning drops whole months.
+
+use chrono::{DateTime, Utc};
+use sqlx::types::Json;
+use sqlx::{AssertSqlSafe, Postgres, QueryBuilder};
+
+use super::{
+    COUNTS, CREATE_ATTEMPTS, FINISHED_HISTORY, FinishedMinute, HISTORY, HISTORY_PARTITION_PREFIX,
+    HistoryPruned, LIST_SELECT, REGISTER, SELECT, STORED_DEFINITION, STORED_FINGERPRINT, SagaCount,
+    SagaFilter, SagaInsert, SagaStore, Started, UNFINISHED, bind_instance, bind_progress,
+    check_registered, count_from_row, entry_from_row, from_row, minute_from_row, push_list_filters,
+    started, stored_version,
+};
+use crate::month::Month;
+use crate::saga::history::{self, HistoryEntry, SagaEvent};
+use crate::saga::versions::RegisterError;
+use crate::saga::{SagaDefinition, SagaInstance};
+use crate::store::PostgresStore;
+
+/// The `started` event of the saga a PostgreSQL insert's `saga` CTE returned.
+macro_rules! pg_started_event {
+    () => {
+        "INSERT INTO {schema}.sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind) \
+         SELECT id, created_at, 0, 0, $8, 'started' FROM saga"
+    };
+}
+
+/// Inserts the saga and its `started` event in one statement.
+const INSERT: &str = concat!(
+    "WITH saga AS (",
+    insert_saga!(),
+    " RETURNING id, created_at) ",
+    pg_started_event!()
+);
+/// [`INSERT`], unless a saga with the id is stored: then neither row is written.
+const INSERT_IF_ABSENT: &str = concat!(
+    "WITH saga AS (",
+    insert_saga!(),
+    " ON CONFLICT (id) DO NOTHING RETURNING id, created_at) ",
+    pg_started_event!()
+);
+/// Saves the state alone, for a save without events.
+const UPDATE: &str = save_progress!();
+/// Finished sagas per minute (as seconds since the epoch) and status.
+const FINISHED_PER_MINUTE: &str = "SELECT \
+    CAST(floor(extract(epoch FROM updated_at) / 60) * 60 AS BIGINT) AS minute, status, \
+    COUNT(*) AS sagas FROM {schema}.sagabox_saga_instances \
+    WHERE status IN ('completed', 'compensated') AND updated_at >= $1 \
+    GROUP BY 1, 2 ORDER BY 1, 2";
+/// Saves the state and its events in one statement: no event row without the state's
+/// update, which the version fence may refuse.
+const SAVE: &str = concat!(
+    "WITH saga AS (",
+    save_progress!(),
+    " RETURNING id, created_at, version) \
+    INSERT INTO {schema}.sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind, \
+        step, direction, attempt, duration_ms, detail) \
+    SELECT saga.id, saga.created_at, saga.version, e.ordinal, e.at, e.kind, e.step, \
+        e.direction, e.attempt, e.duration_ms, e.detail \
+    FROM saga CROSS JOIN jsonb_to_recordset($12) AS e(ordinal integer, at timestamptz, \
+        kind text, step text, direction text, attempt integer, duration_ms bigint, detail text)"
+);
+
+impl SagaInsert for PostgresStore {
+    type SagaDb = sqlx::Postgres;
+
+    async fn insert(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        instance: &SagaInstance,
+    ) -> Result<(), sqlx::Error> {
+        bind_instance(
+            sqlx::query(AssertSqlSafe(self.schema().sql(INSERT))),
+            instance,
+        )
+        .execute(&mut *conn)
+        .await?;
+        Ok(())
+    }
+}
+
+impl SagaStore for PostgresStore {
+    async fn create_if_absent(&self, instance: &SagaInstance) -> Result<Started, sqlx::Error> {
+        for _ in 0..CREATE_ATTEMPTS {
+            let inserted = bind_instance(
+                sqlx::query(AssertSqlSafe(self.schema().sql(INSERT_IF_ABSENT))),
+                instance,
+            )
+            .execute(self.pool())
+            .await?
+            .rows_affected()
+                == 1;
+            if let Some(started) = started(self, instance, inserted).await? {
+                return Ok(started);
+            }
+        }
+        Err(sqlx::Error::RowNotFound)
+    }
+
+    async fn save(
+        &self,
+        instance: &mut SagaInstance,
+        events: &[SagaEvent],
+    ) -> Result<bool, sqlx::Error> {
+        let sql = if events.is_empty() { UPDATE } else { SAVE };
+        let query = bind_progress(sqlx::query(AssertSqlSafe(self.schema().sql(sql))), instance);
+        let query = if events.is_empty() {
+            query
+        } else {
+            query.bind(Json(history::rows(events)))
+        };
+        let written = query.execute(self.pool()).await?.rows_affected();
+        let saved = written > 0;
+        if saved {
+            instance.version += 1;
+        }
+        Ok(saved)
+    }
+
+    async fn prepare_history(&self, months: &[Month]) -> Result<Vec<Month>, sqlx::Error> {
+        let mut created = Vec::new();
+        for &month in months {
+            let name = self
+                .schema()
+                .table(&format!("{HISTORY_PARTITION_PREFIX}{}", month.suffix()));
+            let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+                .bind(&name)
+                .fetch_one(self.pool())
+                .await?;
+            if exists {
+                continue;
+            }
+            let Some(next) = month.next() else { continue };
+            // The bounds are dates the program formats, never input.
+            let create = format!(
+                "CREATE TABLE {name} PARTITION OF {} \
+                 FOR VALUES FROM ('{}') TO ('{}')",
+                self.schema().table("sagabox_saga_events"),
+                month.start().format("%Y-%m-%d %H:%M:%S+00"),
+                next.start().format("%Y-%m-%d %H:%M:%S+00"),
+            );
+            match sqlx::raw_sql(sqlx::AssertSqlSafe(create))
+                .execute(self.pool())
+                .await
+            {
+                Ok(_) => created.push(month),
+                // Rows of the month are in the default partition already (a saga created
+                // with a clock ahead), or another instance created it just now: either
+                // way the month's rows have a home.
+                Err(error) => {
+                    tracing::debug!(%month, %error, "saga history partition not created");
+                }
+            }
+        }
+        Ok(created)
+    }
+
+    async fn prune_history(
+        &self,
+        before: Month,
+        dry_run: bool,
+    ) -> Result<HistoryPruned, sqlx::Error> {
+        let partitions: Vec<String> = sqlx::query_scalar(
+            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+             WHERE i.inhparent = to_regclass($1) ORDER BY 1",
+        )
+        .bind(self.schema().table("sagabox_saga_events"))
+        .fetch_all(self.pool())
+        .await?;
+        let mut pruned = HistoryPruned::default();
+        let mut in_dropped = 0;
+        for name in partitions {
+            let Some(month) = Month::from_table_name(HISTORY_PARTITION_PREFIX, &name) else {
+                continue;
+            };
+            if month >= before {
+                continue;
+            }
+            let unfinished: bool = sqlx::query_scalar(AssertSqlSafe(self.schema().sql(
+                "SELECT EXISTS (SELECT 1 FROM {schema}.sagabox_saga_instances WHERE created_at >= $1 \
+                 AND created_at < $2 AND status IN ('running', 'compensating'))",
+            )))
+            .bind(month.start())
+            .bind(month.end())
+            .fetch_one(self.pool())
+            .await?;
+            if unfinished {
+                continue;
+            }
+            if dry_run {
+                // Counted below with the rows a real pass deletes one by one.
+                let rows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                    "SELECT COUNT(*) FROM {}",
+                    self.schema().table(&name)
+                )))
+                .fetch_one(self.pool())
+                .await?;
+                in_dropped += u64::try_from(rows).unwrap_or(0);
+            } else {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                    "DROP TABLE {}",
+                    self.schema().table(&name)
+                )))
+                .execute(self.pool())
+                .await?;
+            }
+            pruned.months_dropped.push(month);
+        }
+        pruned.rows_deleted = self
+            .delete_finished_history(before, dry_run)
+            .await?
+            .saturating_sub(in_dropped);
+        Ok(pruned)
+    }
+
+    async fn load(&self, id: &str) -> Result<Option<SagaInstance>, sqlx::Error> {
+        let row = sqlx::query(AssertSqlSafe(self.schema().sql(SELECT)))
+            .bind(id)
+            .fetch_optional(self.pool())
+            .await?;
+        row.as_ref().map(from_row).transpose()
+    }
+
+    async fn unfinished(&self, saga_name: &str) -> Result<Vec<String>, sqlx::Error> {
+        sqlx::query_scalar(AssertSqlSafe(self.schema().sql(UNFINISHED)))
+            .bind(saga_name)
+            .fetch_all(self.pool())
+            .await
+    }
+
+    async fn list(&self, filter: &SagaFilter) -> Result<Vec<SagaInstance>, sqlx::Error> {
+        let mut query = QueryBuilder::<Postgres>::new(self.schema().sql(LIST_SELECT));
+        push_list_filters(&mut query, filter);
+        let rows = query.build().fetch_all(self.pool()).await?;
+        rows.iter().map(from_row).collect()
+    }
+
+    async fn counts(&self) -> Result<Vec<SagaCount>, sqlx::Error> {
+        let rows = sqlx::query(AssertSqlSafe(self.schema().sql(COUNTS)))
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter().map(count_from_row).collect()
+    }
+
+    async fn finished_per_minute(
+        &self,
+        since: DateTime<Utc>,
+    ) -> Result<Vec<FinishedMinute>, sqlx::Error> {
+        let rows = sqlx::query(AssertSqlSafe(self.schema().sql(FINISHED_PER_MINUTE)))
+            .bind(since)
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter().map(minute_from_row).collect()
+    }
+
+    async fn history(&self, id: &str) -> Result<Vec<HistoryEntry>, sqlx::Error> {
+        let rows = sqlx::query(AssertSqlSafe(self.schema().sql(HISTORY)))
+            .bind(id)
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter().map(entry_from_row).collect()
+    }
+
+    async fn register_definition(&self, definition: &SagaDefinition) -> Result<(), RegisterError> {
+        let version = stored_version(definition.version());
+        sqlx::query(AssertSqlSafe(self.schema().sql(REGISTER)))
+            .bind(definition.name())
+            .bind(version)
+            .bind(definition.fingerprint())
+            .bind(definition.to_canonical_toml())
+            .bind(Utc::now())
+            .execute(self.pool())
+            .await?;
+        let stored: String =
+            sqlx::query_scalar(AssertSqlSafe(self.schema().sql(STORED_FINGERPRINT)))
+                .bind(definition.name())
+                .bind(version)
+                .fetch_one(self.pool())
+                .await?;
+        check_registered(&stored, definition)
+    }
+
+    async fn stored_definition(
+        &self,
+        name: &str,
+        version: u32,
+    ) -> Result<Option<String>, sqlx::Error> {
+        sqlx::query_scalar(AssertSqlSafe(self.schema().sql(STORED_DEFINITION)))
+            .bind(name)
+            .bind(stored_version(version))
+            .fetch_optional(self.pool())
+            .await
+    }
+}
+
+impl PostgresStore {
+    /// Deletes (or, dry, counts) the history rows of finished sagas created before
+    /// `before` that the partitions dropped whole did not take: the default partition's,
+    /// and months with an unfinished saga.
+    async fn delete_finished_history(
+        &self,
+        before: Month,
+        dry_run: bool,
+    ) -> Result<u64, sqlx::Error> {
+        if dry_run {
+            let rows: i64 = sqlx::query_scalar(AssertSqlSafe(
+                self.schema()
+                    .sql(&format!("SELECT COUNT(*) {FINISHED_HISTORY}")),
+            ))
+            .bind(before.start())
+            .fetch_one(self.pool())
+            .await?;
+            return Ok(u64::try_from(rows).unwrap_or(0));
+        }
+        let deleted = sqlx::query(AssertSqlSafe(
+            self.schema().sql(&format!("DELETE {FINISHED_HISTORY}")),
+        ))
+        .bind(before.start())
+        .execute(self.pool())
+        .await?;
+        Ok(deleted.rows_affected())
+    }
+}

@@ -1,0 +1,245 @@
+//! [`SagaStore`] on SQLite: a save writes the state and its events in one
+//! `BEGIN IMMEDIATE` transaction; the history is one table, pruned row by row.
+
+use chrono::{DateTime, Utc};
+use sqlx::types::Json;
+use sqlx::{AssertSqlSafe, QueryBuilder, Row, Sqlite};
+
+use super::{
+    COUNTS, CREATE_ATTEMPTS, FINISHED_HISTORY, FinishedMinute, HISTORY, HistoryPruned, LIST_SELECT,
+    REGISTER, SELECT, STORED_DEFINITION, STORED_FINGERPRINT, SagaCount, SagaFilter, SagaInsert,
+    SagaStore, Started, UNFINISHED, bind_instance, bind_progress, check_registered, count_from_row,
+    entry_from_row, from_row, minute_from_row, push_list_filters, started, stored_version,
+};
+use crate::month::Month;
+use crate::saga::history::{self, HistoryEntry, SagaEvent};
+use crate::saga::versions::RegisterError;
+use crate::saga::{SagaDefinition, SagaInstance};
+use crate::store::SqliteStore;
+
+const INSERT: &str = insert_saga!();
+const INSERT_IF_ABSENT: &str = concat!(insert_saga!(), " ON CONFLICT (id) DO NOTHING");
+const STARTED: &str = "INSERT INTO {schema}.sagabox_saga_events \
+    (saga_id, saga_created_at, version, ordinal, at, kind) VALUES ($1, $2, 0, 0, $3, 'started')";
+const UPDATE: &str = concat!(save_progress!(), " RETURNING version");
+/// Finished sagas per minute (as seconds since the epoch) and status: the stored
+/// timestamps are RFC 3339 text, which `unixepoch` reads.
+const FINISHED_PER_MINUTE: &str = "SELECT \
+    (unixepoch(updated_at) / 60) * 60 AS minute, status, COUNT(*) AS sagas \
+    FROM {schema}.sagabox_saga_instances WHERE status IN ('completed', 'compensated') AND updated_at >= $1 \
+    GROUP BY 1, 2 ORDER BY 1, 2";
+const EVENTS: &str = "INSERT INTO {schema}.sagabox_saga_events (saga_id, saga_created_at, \
+    version, ordinal, at, kind, step, direction, attempt, duration_ms, detail) \
+    SELECT $1, $2, $3, json_extract(value, '$.ordinal'), json_extract(value, '$.at'), \
+        json_extract(value, '$.kind'), json_extract(value, '$.step'), \
+        json_extract(value, '$.direction'), json_extract(value, '$.attempt'), \
+        json_extract(value, '$.duration_ms'), json_extract(value, '$.detail') \
+    FROM json_each($4)";
+
+impl SagaInsert for SqliteStore {
+    type SagaDb = sqlx::Sqlite;
+
+    async fn insert(
+        &self,
+        conn: &mut sqlx::SqliteConnection,
+        instance: &SagaInstance,
+    ) -> Result<(), sqlx::Error> {
+        use sqlx::Connection;
+        // A savepoint inside the caller's transaction, a transaction of its own otherwise.
+        let mut tx = conn.begin().await?;
+        bind_instance(
+            sqlx::query(AssertSqlSafe(self.schema().sql(INSERT))),
+            instance,
+        )
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(AssertSqlSafe(self.schema().sql(STARTED)))
+            .bind(&instance.id)
+            .bind(instance.created_at)
+            .bind(instance.updated_at)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await
+    }
+}
+
+impl SagaStore for SqliteStore {
+    async fn create_if_absent(&self, instance: &SagaInstance) -> Result<Started, sqlx::Error> {
+        for _ in 0..CREATE_ATTEMPTS {
+            let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
+            let inserted = bind_instance(
+                sqlx::query(AssertSqlSafe(self.schema().sql(INSERT_IF_ABSENT))),
+                instance,
+            )
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+                == 1;
+            if inserted {
+                sqlx::query(AssertSqlSafe(self.schema().sql(STARTED)))
+                    .bind(&instance.id)
+                    .bind(instance.created_at)
+                    .bind(instance.updated_at)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            tx.commit().await?;
+            if let Some(started) = started(self, instance, inserted).await? {
+                return Ok(started);
+            }
+        }
+        Err(sqlx::Error::RowNotFound)
+    }
+
+    async fn save(
+        &self,
+        instance: &mut SagaInstance,
+        events: &[SagaEvent],
+    ) -> Result<bool, sqlx::Error> {
+        let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
+        let row = bind_progress(
+            sqlx::query(AssertSqlSafe(self.schema().sql(UPDATE))),
+            instance,
+        )
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(row) = row else {
+            return Ok(false);
+        };
+        let version: i64 = row.try_get("version")?;
+        if !events.is_empty() {
+            sqlx::query(AssertSqlSafe(self.schema().sql(EVENTS)))
+                .bind(&instance.id)
+                .bind(instance.created_at)
+                .bind(version)
+                .bind(Json(history::rows(events)))
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        instance.version = version;
+        Ok(true)
+    }
+
+    async fn prepare_history(&self, _months: &[Month]) -> Result<Vec<Month>, sqlx::Error> {
+        Ok(Vec::new())
+    }
+
+    async fn prune_history(
+        &self,
+        before: Month,
+        dry_run: bool,
+    ) -> Result<HistoryPruned, sqlx::Error> {
+        Ok(HistoryPruned {
+            months_dropped: Vec::new(),
+            rows_deleted: self.delete_finished_history(before, dry_run).await?,
+        })
+    }
+
+    async fn load(&self, id: &str) -> Result<Option<SagaInstance>, sqlx::Error> {
+        let row = sqlx::query(AssertSqlSafe(self.schema().sql(SELECT)))
+            .bind(id)
+            .fetch_optional(self.pool())
+            .await?;
+        row.as_ref().map(from_row).transpose()
+    }
+
+    async fn unfinished(&self, saga_name: &str) -> Result<Vec<String>, sqlx::Error> {
+        sqlx::query_scalar(AssertSqlSafe(self.schema().sql(UNFINISHED)))
+            .bind(saga_name)
+            .fetch_all(self.pool())
+            .await
+    }
+
+    async fn list(&self, filter: &SagaFilter) -> Result<Vec<SagaInstance>, sqlx::Error> {
+        let mut query = QueryBuilder::<Sqlite>::new(self.schema().sql(LIST_SELECT));
+        push_list_filters(&mut query, filter);
+        let rows = query.build().fetch_all(self.pool()).await?;
+        rows.iter().map(from_row).collect()
+    }
+
+    async fn counts(&self) -> Result<Vec<SagaCount>, sqlx::Error> {
+        let rows = sqlx::query(AssertSqlSafe(self.schema().sql(COUNTS)))
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter().map(count_from_row).collect()
+    }
+
+    async fn finished_per_minute(
+        &self,
+        since: DateTime<Utc>,
+    ) -> Result<Vec<FinishedMinute>, sqlx::Error> {
+        let rows = sqlx::query(AssertSqlSafe(self.schema().sql(FINISHED_PER_MINUTE)))
+            .bind(since)
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter().map(minute_from_row).collect()
+    }
+
+    async fn history(&self, id: &str) -> Result<Vec<HistoryEntry>, sqlx::Error> {
+        let rows = sqlx::query(AssertSqlSafe(self.schema().sql(HISTORY)))
+            .bind(id)
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter().map(entry_from_row).collect()
+    }
+
+    async fn register_definition(&self, definition: &SagaDefinition) -> Result<(), RegisterError> {
+        let version = stored_version(definition.version());
+        sqlx::query(AssertSqlSafe(self.schema().sql(REGISTER)))
+            .bind(definition.name())
+            .bind(version)
+            .bind(definition.fingerprint())
+            .bind(definition.to_canonical_toml())
+            .bind(Utc::now())
+            .execute(self.pool())
+            .await?;
+        let stored: String =
+            sqlx::query_scalar(AssertSqlSafe(self.schema().sql(STORED_FINGERPRINT)))
+                .bind(definition.name())
+                .bind(version)
+                .fetch_one(self.pool())
+                .await?;
+        check_registered(&stored, definition)
+    }
+
+    async fn stored_definition(
+        &self,
+        name: &str,
+        version: u32,
+    ) -> Result<Option<String>, sqlx::Error> {
+        sqlx::query_scalar(AssertSqlSafe(self.schema().sql(STORED_DEFINITION)))
+            .bind(name)
+            .bind(stored_version(version))
+            .fetch_optional(self.pool())
+            .await
+    }
+}
+
+impl SqliteStore {
+    /// Deletes (or, dry, counts) the history rows of finished sagas created before
+    /// `before`.
+    async fn delete_finished_history(
+        &self,
+        before: Month,
+        dry_run: bool,
+    ) -> Result<u64, sqlx::Error> {
+        if dry_run {
+            let rows: i64 = sqlx::query_scalar(AssertSqlSafe(
+                self.schema()
+                    .sql(&format!("SELECT COUNT(*) {FINISHED_HISTORY}")),
+            ))
+            .bind(before.start())
+            .fetch_one(self.pool())
+            .await?;
+            return Ok(u64::try_from(rows).unwrap_or(0));
+        }
+        let deleted = sqlx::query(AssertSqlSafe(
+            self.schema().sql(&format!("DELETE {FINISHED_HISTORY}")),
+        ))
+        .bind(before.start())
+        .execute(self.pool())
+        .await?;
+        Ok(deleted.rows_affected())
+    }
+}
