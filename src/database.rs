@@ -8,12 +8,11 @@ use crate::inbox::{InboxConfig, InboxError, InboxGuard};
 use crate::logging::redact;
 use crate::month::Month;
 use crate::pruner::{Maintenance, PrunePass};
+use crate::saga::history_months;
 use crate::saga::{HistoryPruned, history_pass};
-#[cfg(feature = "postgres")]
-use crate::saga::{SagaStore, history_months};
 use crate::schema::{MIGRATIONS_TABLE, Schema};
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-use crate::store::AnyStore;
+use crate::store::{AnyStore, OnStore, Store};
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 use sqlx::AssertSqlSafe;
 
@@ -330,26 +329,26 @@ pub async fn migrate(
     schema: &Schema,
     config: InboxConfig,
 ) -> Result<Vec<Month>, InboxError> {
-    match Backend::of(url)? {
-        #[cfg(feature = "postgres")]
-        Backend::Postgres => {
-            let store = crate::PostgresStore::connect(url, 2)
-                .await?
-                .with_schema(schema.clone());
-            let guard = InboxGuard::new(store, config)?;
-            let created = guard.migrate().await?;
-            let months = history_months(guard.now(), guard.config().partitions_ahead)?;
-            guard.store().prepare_history(&months).await?;
-            Ok(created)
-        }
-        #[cfg(feature = "sqlite")]
-        Backend::Sqlite => {
-            let _ = schema;
-            let store = crate::SqliteStore::connect(url, 2).await?;
-            InboxGuard::new(store, config)?.migrate().await
-        }
-        #[allow(unreachable_patterns)]
-        _ => Err(InboxError::UnsupportedUrl(redact(url))),
+    AnyStore::connect(url, 2, schema)
+        .await?
+        .run(Migrate { config })
+        .await
+}
+
+/// [`migrate`]'s work on the store the URL named.
+struct Migrate {
+    config: InboxConfig,
+}
+
+impl OnStore for Migrate {
+    type Output = Result<Vec<Month>, InboxError>;
+
+    async fn run<S: Store>(self, store: S) -> Self::Output {
+        let guard = InboxGuard::new(store, self.config)?;
+        let created = guard.migrate().await?;
+        let months = history_months(guard.now(), guard.config().partitions_ahead)?;
+        guard.store().prepare_history(&months).await?;
+        Ok(created)
     }
 }
 
@@ -382,11 +381,25 @@ pub async fn prune(
     config: InboxConfig,
     dry_run: bool,
 ) -> Result<PrunePass, InboxError> {
-    match open_migrated(url, schema, 2).await? {
-        #[cfg(feature = "postgres")]
-        AnyStore::Postgres(store) => InboxGuard::new(store, config)?.run_pass(dry_run).await,
-        #[cfg(feature = "sqlite")]
-        AnyStore::Sqlite(store) => InboxGuard::new(store, config)?.run_pass(dry_run).await,
+    open_migrated(url, schema, 2)
+        .await?
+        .run(Prune { config, dry_run })
+        .await
+}
+
+/// [`prune`]'s work on the store the URL named.
+struct Prune {
+    config: InboxConfig,
+    dry_run: bool,
+}
+
+impl OnStore for Prune {
+    type Output = Result<PrunePass, InboxError>;
+
+    async fn run<S: Store>(self, store: S) -> Self::Output {
+        InboxGuard::new(store, self.config)?
+            .run_pass(self.dry_run)
+            .await
     }
 }
 

@@ -31,7 +31,7 @@ pub use history::{EventKind, HistoryEntry, SagaEvent, UnknownEventKind};
 pub use instance::{
     Direction, SagaInstance, SagaState, SagaStatus, StartError, UnknownDirection, UnknownStatus,
 };
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) use store::history_months;
 pub use store::{
     DEFAULT_HISTORY_RETENTION, FinishedMinute, HISTORY_PARTITION_PREFIX, HistoryPruned, SagaCount,

@@ -6,16 +6,15 @@ use std::future::Future;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use sagabox::database::Backend;
 use sagabox::orchestrate::{OrchestrateConfig, OrchestrateError, orchestrate};
-use sagabox::{InboxError, PostgresStore, SqliteStore};
+use sagabox::store::{AnyStore, OnStore, Store};
 use sagabox_cli::args::{self, DEFAULT_DATABASE_URL};
 
 use crate::{failed, interrupted, start_metrics, usage_error};
 
-/// Opens the store at `url` (sagabox's tables in `schema`, on PostgreSQL) with a pool of up to `connections` (the orchestrators'
-/// drivers, the start consumers and setup share them) and drives `config`'s sagas until
-/// `shutdown` resolves.
+/// Opens the store at `url` (sagabox's tables in `schema`, on PostgreSQL) with a pool of
+/// up to `connections` (the orchestrators' drivers, the start consumers and setup share
+/// them) and drives `config`'s sagas until `shutdown` resolves.
 async fn drive(
     url: &str,
     schema: &sagabox::Schema,
@@ -23,21 +22,23 @@ async fn drive(
     config: OrchestrateConfig,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), OrchestrateError> {
-    match Backend::of(url)? {
-        Backend::Postgres => {
-            let store = PostgresStore::connect(url, connections)
-                .await
-                .map_err(InboxError::from)?
-                .with_schema(schema.clone());
-            orchestrate(store, config, shutdown).await
-        }
-        Backend::Sqlite => {
-            let store = SqliteStore::connect(url, connections)
-                .await
-                .map_err(InboxError::from)?;
-            orchestrate(store, config, shutdown).await
-        }
-        _ => Err(InboxError::UnsupportedUrl(sagabox::logging::redact(url)).into()),
+    AnyStore::connect(url, connections, schema)
+        .await?
+        .run(Drive { config, shutdown })
+        .await
+}
+
+/// [`drive`]'s work on the store the URL named.
+struct Drive<F> {
+    config: OrchestrateConfig,
+    shutdown: F,
+}
+
+impl<F: Future<Output = ()> + Send> OnStore for Drive<F> {
+    type Output = Result<(), OrchestrateError>;
+
+    async fn run<S: Store>(self, store: S) -> Self::Output {
+        orchestrate(store, self.config, self.shutdown).await
     }
 }
 

@@ -4,16 +4,21 @@
 //! lists, shows, retries or cancels sagas is written once and never asks which database
 //! it runs on. What needs one database type — the inbox's transactions, a saga inserted
 //! beside the caller's writes — takes the concrete store ([`PostgresStore`],
-//! [`SqliteStore`]).
+//! [`SqliteStore`]): code of that kind is written once as an [`OnStore`] job, generic
+//! over the store, and [`AnyStore::run`] runs it on the store the URL named.
+
+use std::future::Future;
 
 use chrono::{DateTime, Utc};
 
+use crate::inbox::InboxError;
 use crate::month::Month;
 use crate::saga::versions::RegisterError;
 use crate::saga::{
     FinishedMinute, HistoryEntry, HistoryPruned, SagaCount, SagaDefinition, SagaEvent, SagaFilter,
-    SagaInstance, SagaStore, Started,
+    SagaInsert, SagaInstance, SagaStore, Started,
 };
+use crate::store::InboxStore;
 #[cfg(feature = "postgres")]
 use crate::store::PostgresStore;
 #[cfg(feature = "sqlite")]
@@ -32,7 +37,64 @@ pub enum AnyStore {
     Sqlite(SqliteStore),
 }
 
+/// A store of one database type, as a job given to [`AnyStore::run`] receives it:
+/// the inbox's store and the saga store over one database. Implemented by
+/// [`PostgresStore`] and [`SqliteStore`].
+pub trait Store: InboxStore + SagaInsert<SagaDb = <Self as InboxStore>::Db> + Clone {}
+
+#[cfg(feature = "postgres")]
+impl Store for PostgresStore {}
+#[cfg(feature = "sqlite")]
+impl Store for SqliteStore {}
+
+/// Work written once, generic over the store, for [`AnyStore::run`] to run on the store of
+/// whichever database a URL named: the code that needs one database type (a guard, a
+/// transaction) without choosing it.
+pub trait OnStore: Send {
+    /// What the work returns.
+    type Output: Send;
+
+    /// Runs the work on `store`.
+    fn run<S: Store>(self, store: S) -> impl Future<Output = Self::Output> + Send;
+}
+
 impl AnyStore {
+    /// Opens the store of the database `url` names, with up to `connections`
+    /// connections; on PostgreSQL sagabox's tables are in `schema` (SQLite has none and
+    /// ignores it). The file an `sqlite:` URL names is created if missing; for a command
+    /// that must find a migrated database, use
+    /// [`open_migrated`](crate::database::open_migrated).
+    pub async fn connect(
+        url: &str,
+        connections: u32,
+        schema: &crate::schema::Schema,
+    ) -> Result<Self, InboxError> {
+        match crate::database::Backend::of(url)? {
+            #[cfg(feature = "postgres")]
+            crate::database::Backend::Postgres => Ok(PostgresStore::connect(url, connections)
+                .await?
+                .with_schema(schema.clone())
+                .into()),
+            #[cfg(feature = "sqlite")]
+            crate::database::Backend::Sqlite => {
+                let _ = schema;
+                Ok(SqliteStore::connect(url, connections).await?.into())
+            }
+            #[allow(unreachable_patterns)]
+            _ => Err(InboxError::UnsupportedUrl(crate::logging::redact(url))),
+        }
+    }
+
+    /// Runs `job` on the store of the database this one is.
+    pub async fn run<J: OnStore>(self, job: J) -> J::Output {
+        match self {
+            #[cfg(feature = "postgres")]
+            AnyStore::Postgres(store) => job.run(store).await,
+            #[cfg(feature = "sqlite")]
+            AnyStore::Sqlite(store) => job.run(store).await,
+        }
+    }
+
     /// `postgres` or `sqlite`: the database behind the store.
     pub fn backend(&self) -> &'static str {
         match self {
