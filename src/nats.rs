@@ -20,6 +20,7 @@ mod config;
 mod consumer;
 mod dispatch;
 mod jetstream;
+mod stall;
 
 pub use config::{NatsConfig, NatsError};
 pub use consumer::{Consumer, ConsumerOptions};

@@ -164,6 +164,14 @@ impl Transport {
         self
     }
 
+    /// Keeps `replicas` copies of the queues or streams the transport declares, on as
+    /// many nodes of a cluster: a JetStream stream's `num_replicas`, a RabbitMQ quorum
+    /// queue's `x-quorum-initial-group-size`. What exists already keeps its own.
+    pub fn with_replicas(mut self, replicas: u8) -> Self {
+        self.settings_mut().set_replicas(replicas);
+        self
+    }
+
     /// Sets the retention of what the transport declares (a RabbitMQ queue's
     /// `x-message-ttl`, a JetStream stream's `max_age`) from the inbox's
     /// [`broker_retention`](InboxConfig::broker_retention); on RabbitMQ, also the inbox

@@ -500,11 +500,20 @@ pub struct BrokerArgs {
     /// the queues' retention instead of refusing to start.
     #[arg(long)]
     pub trust_declared_retention: bool,
+    /// Copies of each queue or stream sagabox creates, on as many nodes of a cluster:
+    /// a JetStream stream's replicas (1 to 5; default 1), a RabbitMQ quorum queue's
+    /// x-quorum-initial-group-size (default: the broker's). What exists keeps its own.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=5))]
+    pub replicas: Option<u8>,
 }
 
 impl BrokerArgs {
     /// `transport` with these settings (the RabbitMQ ones apply to RabbitMQ only).
     pub fn apply(&self, transport: Transport) -> Transport {
+        let transport = match self.replicas {
+            Some(replicas) => transport.with_replicas(replicas),
+            None => transport,
+        };
         match transport.with_max_deliveries(self.max_deliveries) {
             Transport::Amqp(mut config) => {
                 config.queue_type = self.queue_type;

@@ -67,6 +67,10 @@ pub(crate) struct DemoArgs {
     #[arg(long, default_value_t = 5, requires = "transport",
           value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub(crate) max_deliveries: u32,
+    /// Copies of each queue or stream the demo creates, on as many nodes of a cluster
+    /// (with --transport; the same number as the participants' `serve --replicas`).
+    #[arg(long, requires = "transport", value_parser = clap::value_parser!(u8).range(1..=5))]
+    pub(crate) replicas: Option<u8>,
     /// Serve Prometheus metrics at HOST:PORT while the demo runs (e.g. 127.0.0.1:9464).
     #[arg(long, value_name = "HOST:PORT")]
     pub(crate) metrics_addr: Option<String>,
@@ -96,6 +100,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, ExitCode> {
         queue_prefix,
         external_participants,
         max_deliveries,
+        replicas,
         metrics_addr,
         clock_speed,
     } = args;
@@ -115,6 +120,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, ExitCode> {
             queue_prefix,
             external_participants,
             max_deliveries,
+            replicas,
         }),
         clock_speed,
         clock_start: None,

@@ -181,6 +181,12 @@ pub(crate) fn queue_arguments(config: &AmqpConfig, dead: &str) -> FieldTable {
             "x-overflow".into(),
             AMQPValue::LongString("reject-publish".into()),
         );
+        if let Some(replicas) = config.replicas {
+            arguments.insert(
+                "x-quorum-initial-group-size".into(),
+                AMQPValue::LongLongInt(i64::from(replicas)),
+            );
+        }
     }
     arguments
 }

@@ -108,6 +108,10 @@ pub struct AmqpConfig {
     /// A [`Participant`](crate::Participant) sets it to its own. Defaults to
     /// `Some(InboxConfig::default())`.
     pub retention_check: Option<InboxConfig>,
+    /// Nodes a quorum queue sagabox declares is replicated on
+    /// (`x-quorum-initial-group-size`); `None` leaves it to the broker's default. An
+    /// existing queue keeps its own. Defaults to `None`.
+    pub replicas: Option<u8>,
 }
 
 impl AmqpConfig {
@@ -125,6 +129,7 @@ impl AmqpConfig {
             management_url: None,
             trust_declared_retention: false,
             retention_check: Some(InboxConfig::default()),
+            replicas: None,
         }
     }
 
@@ -201,6 +206,11 @@ impl AmqpConfig {
 
     /// Checks every field; the error says which and what to do.
     pub fn validate(&self) -> Result<(), AmqpError> {
+        if self.replicas == Some(0) {
+            return Err(AmqpError::Config(
+                "replicas is 0: a quorum queue lives on at least 1 node".into(),
+            ));
+        }
         if !(self.url.starts_with("amqp://") || self.url.starts_with("amqps://")) {
             return Err(AmqpError::Config(format!(
                 "the broker URL {} is not amqp://user:password@host:port/vhost",
@@ -305,6 +315,10 @@ impl crate::transport::BrokerSettings for AmqpConfig {
 
     fn set_retention_of(&mut self, inbox: &InboxConfig) {
         self.set_inbox(inbox);
+    }
+
+    fn set_replicas(&mut self, replicas: u8) {
+        self.replicas = Some(replicas);
     }
 
     fn destination(&self, consumer_type: &ConsumerType) -> String {

@@ -20,7 +20,10 @@ use crate::tls::{LoadedTls, TlsError, TlsFiles};
 pub struct NatsConfig {
     /// `nats://host:port` (or `nats://user:password@host:port`), or `tls://host:port`
     /// to require TLS (a `nats://` connection also turns to TLS when the server requires
-    /// it). The query may name a CA file to trust beside the system's roots
+    /// it). For a cluster, every node's URL, comma-separated
+    /// (`nats://a:4222,nats://b:4222,nats://c:4222`), as NATS's own tools take them: the
+    /// client connects to one it can reach and, when that node is lost, reconnects to
+    /// another (also to the nodes the cluster announced since). The query may name a CA file to trust beside the system's roots
     /// (`cacertfile=/path/ca.pem`) and a client certificate (`certfile=…&keyfile=…`),
     /// all PEM, in the names RabbitMQ's URLs use; see [`TlsFiles`](crate::tls::TlsFiles).
     pub url: String,
@@ -47,6 +50,11 @@ pub struct NatsConfig {
     /// again with the same `Nats-Msg-Id` within it is dropped by the server (the inbox
     /// absorbs what it misses). Defaults to 2 minutes.
     pub duplicate_window: Duration,
+    /// Copies of each stream sagabox creates, on as many nodes of a JetStream cluster
+    /// (its `num_replicas`, 1 to 5): with 3, a stream survives the loss of one node and
+    /// goes on once a new leader is elected. An existing stream keeps its own. Defaults
+    /// to 1, for a single server.
+    pub replicas: usize,
 }
 
 impl NatsConfig {
@@ -60,6 +68,7 @@ impl NatsConfig {
             max_deliver: 5,
             retention: Duration::from_secs(14 * 24 * 60 * 60),
             duplicate_window: Duration::from_secs(120),
+            replicas: 1,
         }
     }
 
@@ -75,6 +84,12 @@ impl NatsConfig {
         self
     }
 
+    /// Creates streams with `replicas` copies, on as many nodes of a cluster.
+    pub fn with_replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas;
+        self
+    }
+
     /// The TLS files the URL's query names (`cacertfile`, `certfile`, `keyfile`).
     pub fn tls_files(&self) -> TlsFiles {
         TlsFiles::split_url(&self.url).1
@@ -85,20 +100,35 @@ impl NatsConfig {
         TlsFiles::split_url(&self.url).0
     }
 
+    /// The servers the client may connect to, as the client takes them (TLS files
+    /// removed).
+    pub(crate) fn servers(&self) -> Vec<String> {
+        self.client_url()
+            .split(',')
+            .map(|server| server.trim().to_owned())
+            .collect()
+    }
+
     /// "NATS at host:port", for messages.
     pub(crate) fn server(&self) -> String {
         format!("NATS at {}", self.host_port())
     }
 
-    /// The URL's `host:port` (the part after the scheme and any credentials).
+    /// The URL's `host:port` (the part after the scheme and any credentials), each
+    /// server's for a list.
     pub(crate) fn host_port(&self) -> String {
-        let url = self.client_url();
-        let rest = url.split_once("://").map_or(url.as_str(), |(_, rest)| rest);
-        let rest = rest.rsplit_once('@').map_or(rest, |(_, rest)| rest);
-        rest.split(['/', '?', '#'])
-            .next()
-            .unwrap_or(rest)
-            .to_owned()
+        self.servers()
+            .iter()
+            .map(|url| {
+                let rest = url.split_once("://").map_or(url.as_str(), |(_, rest)| rest);
+                let rest = rest.rsplit_once('@').map_or(rest, |(_, rest)| rest);
+                rest.split(['/', '?', '#'])
+                    .next()
+                    .unwrap_or(rest)
+                    .to_owned()
+            })
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
     /// The URL's TLS files, read and checked.
@@ -111,10 +141,20 @@ impl NatsConfig {
     /// Checks every field; the error says which and what to do.
     pub fn validate(&self) -> Result<(), NatsError> {
         let config = |reason: String| Err(NatsError::Config(reason));
-        if !(self.url.starts_with("nats://") || self.url.starts_with("tls://")) {
+        if self
+            .servers()
+            .iter()
+            .any(|server| !(server.starts_with("nats://") || server.starts_with("tls://")))
+        {
             return config(format!(
-                "the server URL {} is not nats://host:port",
+                "the server URL {} is not nats://host:port (or a comma-separated list of them)",
                 redact(&self.url)
+            ));
+        }
+        if !(1..=5).contains(&self.replicas) {
+            return config(format!(
+                "replicas is {}: JetStream keeps 1 to 5 copies of a stream",
+                self.replicas
             ));
         }
         self.load_tls()?;
@@ -216,6 +256,10 @@ impl crate::transport::BrokerSettings for NatsConfig {
 
     fn set_retention_of(&mut self, inbox: &crate::inbox::InboxConfig) {
         self.retention = inbox.broker_retention;
+    }
+
+    fn set_replicas(&mut self, replicas: u8) {
+        self.replicas = usize::from(replicas);
     }
 
     fn destination(&self, consumer_type: &ConsumerType) -> String {
@@ -324,5 +368,39 @@ mod tests {
         assert_eq!(config.dead_subject(&start), "sagabox.checkout.start.dead");
         assert_eq!(config.stream(&start), "sagabox_checkout_start");
         assert_eq!(config.dead_stream(&start), "sagabox_checkout_start_dead");
+    }
+
+    #[test]
+    fn a_cluster_is_a_comma_separated_list_of_servers() {
+        let config = NatsConfig::new(
+            "nats://u:secret@a:4222, nats://b:4223,tls://c:4224?cacertfile=/ca.pem",
+        );
+        assert_eq!(
+            config.servers(),
+            ["nats://u:secret@a:4222", "nats://b:4223", "tls://c:4224"]
+        );
+        assert_eq!(config.host_port(), "a:4222,b:4223,c:4224");
+        let error = NatsConfig::new("nats://a:4222,amqp://b:5672")
+            .validate()
+            .unwrap_err();
+        assert!(error.to_string().contains("comma-separated"), "{error}");
+    }
+
+    #[test]
+    fn replicas_are_one_to_five() {
+        assert_eq!(NatsConfig::new("nats://x").replicas, 1);
+        assert!(
+            NatsConfig::new("nats://x")
+                .with_replicas(3)
+                .validate()
+                .is_ok()
+        );
+        for replicas in [0, 6] {
+            let error = NatsConfig::new("nats://x")
+                .with_replicas(replicas)
+                .validate()
+                .unwrap_err();
+            assert!(error.to_string().contains("1 to 5"), "{error}");
+        }
     }
 }

@@ -120,6 +120,7 @@ impl Consumer {
                 context,
             }),
             consumer,
+            consumer_type: options.consumer_type.clone(),
         };
         Ok(crate::consumer::spawn(
             source,
@@ -146,6 +147,8 @@ struct Link {
 struct StreamSource {
     link: Arc<Link>,
     consumer: PullConsumer,
+    /// The consumer type: names the stream and the durable consumer.
+    consumer_type: ConsumerType,
 }
 
 impl Source for StreamSource {
@@ -170,9 +173,16 @@ impl Source for StreamSource {
             .messages()
             .await
             .map_err(NatsError::broker("subscribe"))?;
+        let stream = self.link.config.stream(&self.consumer_type);
+        let watchdog = tokio::spawn(super::stall::watch(
+            self.link.client.clone(),
+            stream.clone(),
+            stream,
+        ));
         Ok(PullSubscription {
             messages,
             link: Arc::clone(&self.link),
+            watchdog: watchdog.abort_handle(),
         })
     }
 
@@ -185,10 +195,18 @@ impl Source for StreamSource {
     }
 }
 
-/// A pull subscription: batches of up to the prefetch, requested again as they drain.
+/// A pull subscription: batches of up to the prefetch, requested again as they drain;
+/// watched for a stall of its consumer ([`super::stall`]) while it lives.
 struct PullSubscription {
     messages: async_nats::jetstream::consumer::pull::Stream,
     link: Arc<Link>,
+    watchdog: tokio::task::AbortHandle,
+}
+
+impl Drop for PullSubscription {
+    fn drop(&mut self) {
+        self.watchdog.abort();
+    }
 }
 
 impl Subscription for PullSubscription {

@@ -34,7 +34,7 @@ pub async fn connect(config: &NatsConfig, role: &str) -> Result<Client, NatsErro
         .max_reconnects(None)
         .tls_client_config(tls)
         .require_tls(url.starts_with("tls://"));
-    options.connect(url.as_str()).await.map_err(|error| {
+    options.connect(config.servers()).await.map_err(|error| {
         let words = crate::tls::error_chain(&error);
         let host = config.host_port();
         let host = host
@@ -83,6 +83,7 @@ pub async fn declare(
             retention: RetentionPolicy::Limits,
             storage: StorageType::File,
             duplicate_window: config.duplicate_window,
+            num_replicas: config.replicas,
             ..Default::default()
         })
         .await
@@ -95,6 +96,7 @@ pub async fn declare(
             storage: StorageType::File,
             max_age: config.retention,
             duplicate_window: config.duplicate_window,
+            num_replicas: config.replicas,
             ..Default::default()
         })
         .await

@@ -27,6 +27,8 @@ pub(crate) trait BrokerSettings {
     /// Sets the retention of what it declares from `inbox`'s broker retention (and, where
     /// the broker checks it on its consumers, the inbox it checks against).
     fn set_retention_of(&mut self, inbox: &InboxConfig);
+    /// Keeps `replicas` copies of what it declares, on as many nodes of a cluster.
+    fn set_replicas(&mut self, replicas: u8);
     /// Where `consumer_type`'s messages are sent: a queue or a subject.
     fn destination(&self, consumer_type: &ConsumerType) -> String;
 }

@@ -22,6 +22,13 @@ pub fn nats_url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| DEFAULT_NATS_URL.to_owned())
 }
 
+/// The servers of `url`, a comma-separated list for a cluster.
+fn servers(url: &str) -> Vec<String> {
+    url.split(',')
+        .map(|server| server.trim().to_owned())
+        .collect()
+}
+
 /// A unique prefix on a NATS server, and a plain JetStream client on it.
 pub struct Js {
     pub config: NatsConfig,
@@ -39,12 +46,14 @@ impl Js {
 
     /// Connects to the server at `url`.
     pub async fn on(url: &str, consumer_types: &[&str]) -> Self {
-        let client = async_nats::connect(url).await.unwrap_or_else(|error| {
-            panic!(
-                "cannot connect to NATS at {url}: {error}\n\
+        let client = async_nats::connect(servers(url))
+            .await
+            .unwrap_or_else(|error| {
+                panic!(
+                    "cannot connect to NATS at {url}: {error}\n\
                  start it (nats-server -js) or point NATS_URL at a server with JetStream"
-            )
-        });
+                )
+            });
         let prefix = format!("sagabox-test-{}", uuid::Uuid::new_v4().simple());
         let mut config = NatsConfig::new(url).with_prefix(prefix);
         // Redeliveries of unacked messages within a test's patience.
@@ -108,6 +117,24 @@ impl Js {
             .await
     }
 
+    /// What the server says of `consumer_type`'s work stream and its durable consumer,
+    /// raw: for a failure's message.
+    pub async fn describe(&self, consumer_type: &str) -> String {
+        let stream = self.config.stream(&Self::consumer_type(consumer_type));
+        let mut text = String::new();
+        for subject in [
+            format!("$JS.API.STREAM.INFO.{stream}"),
+            format!("$JS.API.CONSUMER.INFO.{stream}.{stream}"),
+        ] {
+            let answer = match self.client.request(subject.clone(), "".into()).await {
+                Ok(answer) => String::from_utf8_lossy(&answer.payload).into_owned(),
+                Err(error) => error.to_string(),
+            };
+            text.push_str(&format!("{subject}: {answer}\n"));
+        }
+        text
+    }
+
     /// Messages in `consumer_type`'s dead-letter stream.
     pub async fn dead(&self, consumer_type: &str) -> u64 {
         self.messages(&self.config.dead_stream(&Self::consumer_type(consumer_type)))
@@ -141,7 +168,7 @@ impl Drop for Js {
                 .build()
                 .expect("runtime");
             runtime.block_on(async move {
-                let Ok(client) = async_nats::connect(url).await else {
+                let Ok(client) = async_nats::connect(servers(&url)).await else {
                     return;
                 };
                 let context = jetstream::new(client);
@@ -300,6 +327,6 @@ impl Drop for OwnServer {
 }
 
 /// The `nats-server` to run: `NATS_SERVER`, else Debian's.
-fn server_binary() -> String {
+pub fn server_binary() -> String {
     std::env::var("NATS_SERVER").unwrap_or_else(|_| "/usr/sbin/nats-server".to_owned())
 }

@@ -66,6 +66,10 @@ pub struct DemoTransport {
     /// ([`Transport::with_max_deliveries`](sagabox::transport::Transport::with_max_deliveries)).
     /// Defaults to 5; separate participants must be started with the same number.
     pub max_deliveries: u32,
+    /// Copies of each queue or stream the run declares, on as many nodes of a cluster
+    /// ([`Transport::with_replicas`](sagabox::transport::Transport::with_replicas));
+    /// `None` keeps the broker's default.
+    pub replicas: Option<u8>,
 }
 
 impl DemoTransport {
@@ -76,15 +80,18 @@ impl DemoTransport {
             queue_prefix: "sagabox".to_owned(),
             external_participants: false,
             max_deliveries: 5,
+            replicas: None,
         }
     }
 
     /// The broker the URL names (RabbitMQ or NATS JetStream) under the queue prefix.
     pub(crate) fn transport(&self) -> Result<sagabox::transport::Transport, DemoError> {
-        Ok(
-            sagabox::transport::Transport::from_url(&self.url, &self.queue_prefix)?
-                .with_max_deliveries(self.max_deliveries),
-        )
+        let transport = sagabox::transport::Transport::from_url(&self.url, &self.queue_prefix)?
+            .with_max_deliveries(self.max_deliveries);
+        Ok(match self.replicas {
+            Some(replicas) => transport.with_replicas(replicas),
+            None => transport,
+        })
     }
 }
 
