@@ -38,14 +38,27 @@ pub enum AnyStore {
 }
 
 /// A store of one database type, as a job given to [`AnyStore::run`] receives it:
-/// the inbox's store and the saga store over one database. Implemented by
-/// [`PostgresStore`] and [`SqliteStore`].
-pub trait Store: InboxStore + SagaInsert<SagaDb = <Self as InboxStore>::Db> + Clone {}
+/// the inbox's store and the saga store over one database, and its pool for the job's
+/// own transactions. Implemented by [`PostgresStore`] and [`SqliteStore`].
+pub trait Store: InboxStore + SagaInsert<SagaDb = <Self as InboxStore>::Db> + Clone {
+    /// The store's connection pool: begin a transaction on it to write beside the
+    /// store's rows ([`SagaInsert::insert`]).
+    fn pool(&self) -> &sqlx::Pool<<Self as InboxStore>::Db>;
+}
 
 #[cfg(feature = "postgres")]
-impl Store for PostgresStore {}
+impl Store for PostgresStore {
+    fn pool(&self) -> &sqlx::Pool<sqlx::Postgres> {
+        PostgresStore::pool(self)
+    }
+}
+
 #[cfg(feature = "sqlite")]
-impl Store for SqliteStore {}
+impl Store for SqliteStore {
+    fn pool(&self) -> &sqlx::Pool<sqlx::Sqlite> {
+        SqliteStore::pool(self)
+    }
+}
 
 /// Work written once, generic over the store, for [`AnyStore::run`] to run on the store of
 /// whichever database a URL named: the code that needs one database type (a guard, a
