@@ -8,8 +8,9 @@
 //! The verdict is read from PostgreSQL and from the cluster, not from sagabox's
 //! counters: every saga finished, every invariant of the demo holds, each stream has its
 //! three replicas, nothing is left in a work stream or dead-lettered, and no process was
-//! restarted. The stall after each kill (from the kill to the next saga finished) is
-//! printed. The moments of the kills come from a seed the output prints; set
+//! restarted. The stall after each kill (the longest time no saga finished, from the kill
+//! until 64 more had) is printed, and so is how many stalled consumers the watchdog
+//! stepped down. The moments of the kills come from a seed the output prints; set
 //! `CLUSTER_SEED` to replay a run.
 
 #![allow(clippy::unwrap_used)]

@@ -73,11 +73,6 @@ impl NatsCluster {
             .collect()
     }
 
-    /// The names of the nodes.
-    pub fn names(&self) -> Vec<String> {
-        self.nodes.iter().map(|node| node.name.clone()).collect()
-    }
-
     fn index(&self, name: &str) -> usize {
         self.nodes
             .iter()
