@@ -1202,3 +1202,25 @@ async fn a_queue_whose_ttl_exceeds_the_inbox_ttl_is_refused_at_start() {
         "nothing consumed"
     );
 }
+
+/// `replicas` reaches the broker as the quorum queue's `x-quorum-initial-group-size`;
+/// without it the queue is declared as before, the group size left to the broker.
+#[tokio::test]
+async fn replicas_are_declared_as_the_quorum_queues_initial_group_size() {
+    let rabbit = Rabbit::new(&["payment", "inventory"]).await;
+    let mut config = rabbit.config.clone();
+    config.replicas = Some(1);
+    rabbit.declare_with(&config, "payment").await;
+    let arguments = rabbit.queue_arguments(&rabbit.queue("payment"));
+    assert!(
+        arguments.contains("x-quorum-initial-group-size") && arguments.contains("x-queue-type"),
+        "{arguments}"
+    );
+    rabbit.declare("inventory").await;
+    let arguments = rabbit.queue_arguments(&rabbit.queue("inventory"));
+    assert!(arguments.contains("x-queue-type"), "{arguments}");
+    assert!(
+        !arguments.contains("x-quorum-initial-group-size"),
+        "{arguments}"
+    );
+}

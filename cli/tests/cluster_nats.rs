@@ -232,27 +232,10 @@ async fn a_three_node_jetstream_cluster_loses_two_nodes_in_turn_and_nothing_is_l
     // An ack sent to a node as it died is lost with it: JetStream redelivers that message
     // after ack_wait and the inbox answers it as a duplicate. The participants run until
     // every stream is empty.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let mut left = 0;
-        for role in ROLES {
-            left += js.pending(role).await;
-        }
-        if left == 0 {
-            break;
-        }
+    js.wait_drained(&ROLES, Duration::from_secs(120), &journal, || {
         check_alive(&mut processes.0, &journal);
-        if Instant::now() > deadline {
-            let mut state = String::new();
-            for role in ROLES {
-                state.push_str(&js.describe(role).await);
-            }
-            panic!(
-                "{journal}{left} messages still in the work streams 2 minutes after the run\n{state}"
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    })
+    .await;
     for child in processes.0.iter() {
         common::children::terminate(child);
     }

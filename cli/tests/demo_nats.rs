@@ -213,22 +213,10 @@ async fn participants_in_separate_processes_survive_a_server_restart() {
     // An ack sent while the server was down is lost with it: JetStream redelivers that
     // message after ack_wait (30 s by default) and the inbox answers it as a duplicate.
     // The participants run until every stream is empty.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let mut left = 0;
-        for role in ROLES {
-            left += js.pending(role).await;
-        }
-        if left == 0 {
-            break;
-        }
+    js.wait_drained(&ROLES, Duration::from_secs(120), "", || {
         check_alive(&mut participants[..]);
-        assert!(
-            Instant::now() < deadline,
-            "{left} messages still in the work streams 2 minutes after the run"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    })
+    .await;
     for child in participants.iter() {
         common::children::terminate(child);
     }

@@ -438,6 +438,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn zero_replicas_are_refused() {
+        let mut config = AmqpConfig::new("amqp://127.0.0.1:5672/%2f");
+        config.replicas = Some(0);
+        let error = config.validate().unwrap_err();
+        assert!(error.to_string().contains("replicas is 0"), "{error}");
+        config.replicas = Some(3);
+        assert!(config.validate().is_ok());
+    }
+
+    #[test]
     fn bad_settings_are_refused_with_the_reason() {
         assert!(
             AmqpConfig::new("amqp://127.0.0.1:5672/%2f")

@@ -36,10 +36,10 @@ pub async fn connect(config: &NatsConfig, role: &str) -> Result<Client, NatsErro
         .require_tls(url.starts_with("tls://"));
     options.connect(config.servers()).await.map_err(|error| {
         let words = crate::tls::error_chain(&error);
-        let host = config.host_port();
-        let host = host
-            .rsplit_once(':')
-            .map_or(host.as_str(), |(host, _)| host);
+        // The advice names one host; of a cluster's list, the first.
+        let hosts = config.host_port();
+        let first = hosts.split(',').next().unwrap_or(&hosts);
+        let host = first.rsplit_once(':').map_or(first, |(host, _)| host);
         match crate::tls::handshake_advice(&words, host, "cacertfile", None) {
             Some(reason) => NatsError::TlsHandshake {
                 url: redact(&config.url),

@@ -12,12 +12,16 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::query::Query;
 use sqlx::types::Json;
-use sqlx::{Database, Decode, Encode, QueryBuilder, Row, Type};
+use sqlx::{
+    AssertSqlSafe, ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool,
+    QueryBuilder, Row, Type,
+};
 
 use crate::month::Month;
 use crate::saga::history::{HistoryEntry, SagaEvent};
 use crate::saga::versions::RegisterError;
 use crate::saga::{Direction, EventKind, SagaDefinition, SagaInstance, SagaState, SagaStatus};
+use crate::schema::Schema;
 
 /// What [`SagaStore::create_if_absent`] found.
 #[derive(Debug, Clone, PartialEq)]
@@ -419,6 +423,114 @@ fn command_round(instance: &SagaInstance) -> i32 {
 const FINISHED_HISTORY: &str = "FROM {schema}.sagabox_saga_events WHERE saga_created_at < $1 \
     AND NOT EXISTS (SELECT 1 FROM {schema}.sagabox_saga_instances s \
     WHERE s.id = sagabox_saga_events.saga_id AND s.status IN ('running', 'compensating'))";
+
+/// The queries both databases run alike, on a store's pool and tables: written once,
+/// generic over the database, with what sqlx needs of the database said once, here.
+/// Each store's [`SagaStore`] methods hand these to it.
+struct SagaSql<'a, DB: Database> {
+    pool: &'a Pool<DB>,
+    schema: &'a Schema,
+    /// The database's query of finished sagas per minute, the one that differs.
+    finished_per_minute: &'static str,
+}
+
+impl<DB> SagaSql<'_, DB>
+where
+    DB: Database,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB> + Default,
+    usize: ColumnIndex<DB::Row>,
+    for<'r> &'r str: ColumnIndex<DB::Row>,
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+    for<'t> String: Encode<'t, DB> + Decode<'t, DB> + Type<DB>,
+    for<'t> i32: Encode<'t, DB> + Decode<'t, DB> + Type<DB>,
+    for<'t> i64: Encode<'t, DB> + Decode<'t, DB> + Type<DB>,
+    for<'t> bool: Decode<'t, DB> + Type<DB>,
+    for<'t> DateTime<Utc>: Encode<'t, DB> + Decode<'t, DB> + Type<DB>,
+    for<'t> Option<DateTime<Utc>>: Decode<'t, DB> + Type<DB>,
+    for<'t> Option<String>: Decode<'t, DB> + Type<DB>,
+    for<'t> Option<i32>: Decode<'t, DB> + Type<DB>,
+    for<'t> Option<i64>: Decode<'t, DB> + Type<DB>,
+    for<'t> Json<Value>: Decode<'t, DB> + Type<DB>,
+{
+    async fn load(&self, id: &str) -> Result<Option<SagaInstance>, sqlx::Error> {
+        let row = sqlx::query(AssertSqlSafe(self.schema.sql(SELECT)))
+            .bind(id)
+            .fetch_optional(self.pool)
+            .await?;
+        row.as_ref().map(from_row).transpose()
+    }
+
+    async fn unfinished(&self, saga_name: &str) -> Result<Vec<String>, sqlx::Error> {
+        sqlx::query_scalar(AssertSqlSafe(self.schema.sql(UNFINISHED)))
+            .bind(saga_name)
+            .fetch_all(self.pool)
+            .await
+    }
+
+    async fn list(&self, filter: &SagaFilter) -> Result<Vec<SagaInstance>, sqlx::Error> {
+        let mut query = QueryBuilder::<DB>::new(self.schema.sql(LIST_SELECT));
+        push_list_filters(&mut query, filter);
+        let rows = query.build().fetch_all(self.pool).await?;
+        rows.iter().map(from_row).collect()
+    }
+
+    async fn counts(&self) -> Result<Vec<SagaCount>, sqlx::Error> {
+        let rows = sqlx::query(AssertSqlSafe(self.schema.sql(COUNTS)))
+            .fetch_all(self.pool)
+            .await?;
+        rows.iter().map(count_from_row).collect()
+    }
+
+    async fn finished_per_minute(
+        &self,
+        since: DateTime<Utc>,
+    ) -> Result<Vec<FinishedMinute>, sqlx::Error> {
+        let rows = sqlx::query(AssertSqlSafe(self.schema.sql(self.finished_per_minute)))
+            .bind(since)
+            .fetch_all(self.pool)
+            .await?;
+        rows.iter().map(minute_from_row).collect()
+    }
+
+    async fn history(&self, id: &str) -> Result<Vec<HistoryEntry>, sqlx::Error> {
+        let rows = sqlx::query(AssertSqlSafe(self.schema.sql(HISTORY)))
+            .bind(id)
+            .fetch_all(self.pool)
+            .await?;
+        rows.iter().map(entry_from_row).collect()
+    }
+
+    async fn register_definition(&self, definition: &SagaDefinition) -> Result<(), RegisterError> {
+        let version = stored_version(definition.version());
+        sqlx::query(AssertSqlSafe(self.schema.sql(REGISTER)))
+            .bind(definition.name())
+            .bind(version)
+            .bind(definition.fingerprint())
+            .bind(definition.to_canonical_toml())
+            .bind(Utc::now())
+            .execute(self.pool)
+            .await?;
+        let stored: String = sqlx::query_scalar(AssertSqlSafe(self.schema.sql(STORED_FINGERPRINT)))
+            .bind(definition.name())
+            .bind(version)
+            .fetch_one(self.pool)
+            .await?;
+        check_registered(&stored, definition)
+    }
+
+    async fn stored_definition(
+        &self,
+        name: &str,
+        version: u32,
+    ) -> Result<Option<String>, sqlx::Error> {
+        sqlx::query_scalar(AssertSqlSafe(self.schema.sql(STORED_DEFINITION)))
+            .bind(name)
+            .bind(stored_version(version))
+            .fetch_optional(self.pool)
+            .await
+    }
+}
 
 /// A query of database `DB` whose arguments are bound as it is built.
 type BoundQuery<'q, DB> = Query<'q, DB, <DB as Database>::Arguments>;

@@ -135,6 +135,39 @@ impl Js {
         text
     }
 
+    /// Waits until the work streams of `consumer_types` are empty, calling `alive` at
+    /// every poll (it panics when a process the streams need has exited); fails after
+    /// `within`, with `context` and what the server says of each stream and consumer.
+    pub async fn wait_drained(
+        &self,
+        consumer_types: &[&str],
+        within: Duration,
+        context: &str,
+        mut alive: impl FnMut(),
+    ) {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            let mut left = 0;
+            for consumer_type in consumer_types {
+                left += self.pending(consumer_type).await;
+            }
+            if left == 0 {
+                return;
+            }
+            alive();
+            if std::time::Instant::now() > deadline {
+                let mut state = String::new();
+                for consumer_type in consumer_types {
+                    state.push_str(&self.describe(consumer_type).await);
+                }
+                panic!(
+                    "{context}{left} messages still in the work streams after {within:?}\n{state}"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     /// Messages in `consumer_type`'s dead-letter stream.
     pub async fn dead(&self, consumer_type: &str) -> u64 {
         self.messages(&self.config.dead_stream(&Self::consumer_type(consumer_type)))
@@ -194,7 +227,8 @@ pub struct OwnServer {
     tls: Option<(String, String)>,
 }
 
-fn free_port() -> u16 {
+/// A port free on loopback now.
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .expect("a free port")
         .local_addr()

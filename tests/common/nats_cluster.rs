@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 
-use super::jetstream::server_binary;
+use super::jetstream::{free_port, server_binary};
 
 /// One node: its name, ports and store, and its process while it runs.
 struct Node {
@@ -24,14 +24,6 @@ struct Node {
 pub struct NatsCluster {
     nodes: Vec<Node>,
     name: String,
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("a free port")
-        .local_addr()
-        .expect("its address")
-        .port()
 }
 
 impl NatsCluster {

@@ -98,6 +98,27 @@ impl Rabbit {
         .expect("declare");
     }
 
+    /// The arguments the broker holds for `queue`, as `rabbitmqctl list_queues` prints
+    /// them.
+    #[allow(dead_code)]
+    pub fn queue_arguments(&self, queue: &str) -> String {
+        let listed = std::process::Command::new("rabbitmqctl")
+            .args(["list_queues", "--silent", "name", "arguments"])
+            .output()
+            .expect("run rabbitmqctl (is RabbitMQ installed here?)");
+        assert!(
+            listed.status.success(),
+            "rabbitmqctl list_queues failed: {listed:?}"
+        );
+        String::from_utf8_lossy(&listed.stdout)
+            .lines()
+            .find_map(|line| {
+                let (name, arguments) = line.split_once('\t')?;
+                (name == queue).then(|| arguments.to_owned())
+            })
+            .unwrap_or_else(|| panic!("no queue {queue} on the broker"))
+    }
+
     /// Declares `consumer_type`'s queues as `config` says (its type and TTL).
     #[allow(dead_code)]
     pub async fn declare_with(&self, config: &AmqpConfig, consumer_type: &str) {

@@ -4,14 +4,12 @@
 
 use chrono::{DateTime, Utc};
 use sqlx::types::Json;
-use sqlx::{AssertSqlSafe, Postgres, QueryBuilder};
+use sqlx::{AssertSqlSafe, Postgres};
 
 use super::{
-    COUNTS, CREATE_ATTEMPTS, FINISHED_HISTORY, FinishedMinute, HISTORY, HISTORY_PARTITION_PREFIX,
-    HistoryPruned, LIST_SELECT, REGISTER, SELECT, STORED_DEFINITION, STORED_FINGERPRINT, SagaCount,
-    SagaFilter, SagaInsert, SagaStore, Started, UNFINISHED, bind_instance, bind_progress,
-    check_registered, count_from_row, entry_from_row, from_row, minute_from_row, push_list_filters,
-    started, stored_version,
+    CREATE_ATTEMPTS, FINISHED_HISTORY, FinishedMinute, HISTORY_PARTITION_PREFIX, HistoryPruned,
+    SagaCount, SagaFilter, SagaInsert, SagaSql, SagaStore, Started, bind_instance, bind_progress,
+    started,
 };
 use crate::month::Month;
 use crate::saga::history::{self, HistoryEntry, SagaEvent};
@@ -216,70 +214,34 @@ impl SagaStore for PostgresStore {
     }
 
     async fn load(&self, id: &str) -> Result<Option<SagaInstance>, sqlx::Error> {
-        let row = sqlx::query(AssertSqlSafe(self.schema().sql(SELECT)))
-            .bind(id)
-            .fetch_optional(self.pool())
-            .await?;
-        row.as_ref().map(from_row).transpose()
+        self.saga_sql().load(id).await
     }
 
     async fn unfinished(&self, saga_name: &str) -> Result<Vec<String>, sqlx::Error> {
-        sqlx::query_scalar(AssertSqlSafe(self.schema().sql(UNFINISHED)))
-            .bind(saga_name)
-            .fetch_all(self.pool())
-            .await
+        self.saga_sql().unfinished(saga_name).await
     }
 
     async fn list(&self, filter: &SagaFilter) -> Result<Vec<SagaInstance>, sqlx::Error> {
-        let mut query = QueryBuilder::<Postgres>::new(self.schema().sql(LIST_SELECT));
-        push_list_filters(&mut query, filter);
-        let rows = query.build().fetch_all(self.pool()).await?;
-        rows.iter().map(from_row).collect()
+        self.saga_sql().list(filter).await
     }
 
     async fn counts(&self) -> Result<Vec<SagaCount>, sqlx::Error> {
-        let rows = sqlx::query(AssertSqlSafe(self.schema().sql(COUNTS)))
-            .fetch_all(self.pool())
-            .await?;
-        rows.iter().map(count_from_row).collect()
+        self.saga_sql().counts().await
     }
 
     async fn finished_per_minute(
         &self,
         since: DateTime<Utc>,
     ) -> Result<Vec<FinishedMinute>, sqlx::Error> {
-        let rows = sqlx::query(AssertSqlSafe(self.schema().sql(FINISHED_PER_MINUTE)))
-            .bind(since)
-            .fetch_all(self.pool())
-            .await?;
-        rows.iter().map(minute_from_row).collect()
+        self.saga_sql().finished_per_minute(since).await
     }
 
     async fn history(&self, id: &str) -> Result<Vec<HistoryEntry>, sqlx::Error> {
-        let rows = sqlx::query(AssertSqlSafe(self.schema().sql(HISTORY)))
-            .bind(id)
-            .fetch_all(self.pool())
-            .await?;
-        rows.iter().map(entry_from_row).collect()
+        self.saga_sql().history(id).await
     }
 
     async fn register_definition(&self, definition: &SagaDefinition) -> Result<(), RegisterError> {
-        let version = stored_version(definition.version());
-        sqlx::query(AssertSqlSafe(self.schema().sql(REGISTER)))
-            .bind(definition.name())
-            .bind(version)
-            .bind(definition.fingerprint())
-            .bind(definition.to_canonical_toml())
-            .bind(Utc::now())
-            .execute(self.pool())
-            .await?;
-        let stored: String =
-            sqlx::query_scalar(AssertSqlSafe(self.schema().sql(STORED_FINGERPRINT)))
-                .bind(definition.name())
-                .bind(version)
-                .fetch_one(self.pool())
-                .await?;
-        check_registered(&stored, definition)
+        self.saga_sql().register_definition(definition).await
     }
 
     async fn stored_definition(
@@ -287,15 +249,19 @@ impl SagaStore for PostgresStore {
         name: &str,
         version: u32,
     ) -> Result<Option<String>, sqlx::Error> {
-        sqlx::query_scalar(AssertSqlSafe(self.schema().sql(STORED_DEFINITION)))
-            .bind(name)
-            .bind(stored_version(version))
-            .fetch_optional(self.pool())
-            .await
+        self.saga_sql().stored_definition(name, version).await
     }
 }
 
 impl PostgresStore {
+    /// The queries both databases run alike, on this store.
+    fn saga_sql(&self) -> SagaSql<'_, Postgres> {
+        SagaSql {
+            pool: self.pool(),
+            schema: self.schema(),
+            finished_per_minute: FINISHED_PER_MINUTE,
+        }
+    }
     /// Deletes (or, dry, counts) the history rows of finished sagas created before
     /// `before` that the partitions dropped whole did not take: the default partition's,
     /// and months with an unfinished saga.
