@@ -599,8 +599,11 @@ macro_rules! orchestrator_suite {
                         orchestrator.send_message(OrchestratorMessage::Drive(id)).unwrap();
                     }
                     // Let it get part of the way: an amount of work, not a span of time.
+                    // Counted through the dying process's own pool: a connection the
+                    // fixture's pool opened on this runtime would be dead after it.
                     let deadline = std::time::Instant::now() + Duration::from_secs(120);
-                    while fx.scalar("SELECT COUNT(*) FROM ledger").await < 60 {
+                    let ledger = || sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM ledger").fetch_one(store.pool());
+                    while ledger().await.unwrap() < 60 {
                         assert!(std::time::Instant::now() < deadline, "the orchestrator made no progress");
                         tokio::time::sleep(Duration::from_millis(2)).await;
                     }
