@@ -14,7 +14,8 @@
 //!   a consumer holds at once,
 //!   claimed as one batch ([`InboxGuard::process_batch`](crate::InboxGuard::process_batch)).
 //! - [`DeadLetterQueue`]: an operator's view of `<queue>.dead` — list the dead letters
-//!   without taking them, replay them to their source queue under their own message id.
+//!   without taking them, replay them to their source queue under their own message id
+//!   (through [`DeadLetters`](crate::dlq::DeadLetters), for either broker).
 //! - [`check_retention`]: a queue's real retention (its `x-message-ttl` and policies,
 //!   read through the management API) checked against the inbox TTL before a consumer
 //!   takes a message.
@@ -36,11 +37,9 @@ mod management;
 pub use broker::{Publisher, Routing, connect, declare};
 pub use config::{AmqpConfig, AmqpError, QueueType};
 pub use consumer::{Consumer, ConsumerOptions};
+pub(crate) use dispatch::serve_step_in_batches;
 pub use dispatch::{AmqpDispatch, serve_step, serve_step_batched};
-pub use dlq::{
-    DEAD_SUFFIX, DeadLetter, DeadLetterList, DeadLetterQueue, DlqError, REPLAYED_HEADER,
-    ReplayOptions, ReplayReport, queue_names,
-};
+pub use dlq::DeadLetterQueue;
 pub use management::{
     QueueRetention, RETENTION_SETTING, check_retention, measure_retention, prefixed_queues,
 };

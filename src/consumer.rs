@@ -6,7 +6,10 @@
 //! next message, health, cancel, close). The loop, the same for every broker:
 //!
 //! - opens a subscription, and opens it again after a loss, waiting by
-//!   `Source::backoff` (reset by a message received), until stopped;
+//!   `Source::backoff` (reset by a message received), until stopped; an opening that
+//!   gets no answer within `OPEN_TIMEOUT` (a broker node accepting connections but not
+//!   yet serving, a declare never answered) is given up and tried again, so the consumer
+//!   cannot wait for ever on one that went silent;
 //! - looks at the subscription's health every second: the process's readiness follows
 //!   it, and a subscription found lost is replaced;
 //! - on stop, cancels the subscription, lets the messages in flight settle, then closes
@@ -24,8 +27,9 @@
 //!   retryable failure, and its [`Disposition`] settles the message: done → the reply,
 //!   then the ack; retry → the broker's requeue, or a dead letter once the attempts are
 //!   spent; reject → a dead letter;
-//! - a message that cannot be settled (the connection went) is left unacknowledged: the
-//!   broker delivers it again and the inbox absorbs the repeat.
+//! - a message that cannot be settled (the connection went, a reply the broker refused)
+//!   is handed back after a short pause; on a dead connection the broker delivers it
+//!   again anyway; the inbox absorbs the repeat.
 //!
 //! Every dead letter is counted in `sagabox_dead_letters_total` and the consumer's
 //! [`ConsumerStats`], whoever ends up writing it.
@@ -87,6 +91,14 @@ impl ConsumerHandle {
 /// How long messages in flight get to settle after their subscription was lost, on a
 /// broker that cannot settle them on the next one.
 pub(crate) const IN_FLIGHT_GRACE: Duration = Duration::from_secs(5);
+
+/// How long an unsettled message is held before it is handed back for redelivery.
+const GIVE_BACK_DELAY: Duration = Duration::from_millis(200);
+
+/// How long opening a subscription (connecting, declaring, subscribing) may take
+/// before it is given up and tried again: past the connect timeouts of a cluster's
+/// nodes, short of what an operator would call a hang.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Where a consumer's subscriptions come from: a broker connection and what it consumes.
 pub(crate) trait Source: Send + 'static {
@@ -195,8 +207,26 @@ async fn run<S, H>(
     let mut in_flight = JoinSet::new();
     let mut failures = 0u32;
     loop {
-        let lost = match source.open().await {
-            Ok(subscription) => {
+        let opened = {
+            let opening = tokio::time::timeout(OPEN_TIMEOUT, source.open());
+            tokio::pin!(opening);
+            loop {
+                tokio::select! {
+                    opened = &mut opening => break Some(opened),
+                    changed = stopped.changed() => {
+                        if changed.is_err() || *stopped.borrow() {
+                            break None;
+                        }
+                    }
+                }
+            }
+        };
+        let Some(opened) = opened else {
+            while in_flight.join_next().await.is_some() {}
+            return;
+        };
+        let lost = match opened {
+            Ok(Ok(subscription)) => {
                 settler.stats().sessions.fetch_add(1, Relaxed);
                 let (ended, subscription) = session(
                     subscription,
@@ -224,7 +254,8 @@ async fn run<S, H>(
                     }
                 }
             }
-            Err(error) => error.to_string(),
+            Ok(Err(error)) => error.to_string(),
+            Err(_) => format!("the broker did not answer within {OPEN_TIMEOUT:?} of subscribing"),
         };
         let wait = source.backoff(failures);
         failures = failures.saturating_add(1);
@@ -366,6 +397,12 @@ pub(crate) trait Received: Send + Sync {
         reason: DeadReason,
         detail: &str,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// Hands the message back for another delivery now: after a settling operation
+    /// failed on a connection that may still be alive (a reply the broker refused to
+    /// confirm), where an unsettled message would otherwise stay with this consumer
+    /// until its connection closes.
+    fn give_back(&self) -> impl Future<Output = Result<(), Self::Error>> + Send;
 }
 
 /// Settles the messages of one consumer type with its handler.
@@ -404,7 +441,7 @@ impl<H: DeliveryHandler> Settler<H> {
     }
 
     /// Decodes, handles and settles one message; a failure to settle is logged and the
-    /// message left to the broker's redelivery.
+    /// message handed back for redelivery (the inbox absorbs it if it was applied).
     pub(crate) async fn settle<M: Received>(&self, message: M) {
         let settled = match message.decode(&self.kinds) {
             Err(malformed) => {
@@ -431,6 +468,13 @@ impl<H: DeliveryHandler> Settler<H> {
                 %error,
                 "message not settled; it will be redelivered"
             );
+            // On a dead connection this fails too, and the broker redelivers the message
+            // anyway once it sees the connection gone. The pause keeps a refusal that
+            // lasts (a full reply queue) from turning into a hot loop of deliveries.
+            tokio::time::sleep(GIVE_BACK_DELAY).await;
+            if let Err(error) = message.give_back().await {
+                tracing::debug!(from = message.source(), %error, "message not given back");
+            }
         }
     }
 

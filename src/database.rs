@@ -37,6 +37,21 @@ impl Backend {
             Err(InboxError::UnsupportedUrl(redact(url)))
         }
     }
+
+    /// The backend `url` names, with the URL checked as far as it can be without
+    /// connecting: a PostgreSQL URL must parse (host, port, `sslmode` and the other
+    /// options); its TLS files are read when connecting. A URL the driver refuses is
+    /// [`ConnectError::InvalidUrl`] (inside [`InboxError::Connect`]).
+    pub fn parse(url: &str) -> Result<Self, InboxError> {
+        let backend = Self::of(url)?;
+        #[cfg(feature = "postgres")]
+        if backend == Backend::Postgres {
+            use std::str::FromStr;
+            sqlx::postgres::PgConnectOptions::from_str(url)
+                .map_err(|error| ConnectError::new(url, error))?;
+        }
+        Ok(backend)
+    }
 }
 
 /// Why a database could not be opened: what was wrong and where, password redacted.
@@ -137,7 +152,7 @@ impl ConnectError {
             }
             return ConnectError::InvalidUrl {
                 url: redact(url),
-                reason,
+                reason: crate::logging::scrub(&reason, url),
             };
         }
         #[cfg(feature = "postgres")]
@@ -272,13 +287,16 @@ fn postgres_tls_files(url: &str) -> crate::tls::TlsFiles {
     files
 }
 
-/// The file an `sqlite:` URL names; `None` for an in-memory database or a URL that does
-/// not parse.
+/// The file an `sqlite:` URL names; `None` for an in-memory database, a URL of another
+/// database, or one that does not parse.
 pub(crate) fn sqlite_file(url: &str) -> Option<PathBuf> {
     #[cfg(feature = "sqlite")]
     {
         use std::str::FromStr;
-        if url.contains(":memory:") || url.contains("mode=memory") {
+        if !matches!(Backend::of(url), Ok(Backend::Sqlite))
+            || url.contains(":memory:")
+            || url.contains("mode=memory")
+        {
             return None;
         }
         let options = sqlx::sqlite::SqliteConnectOptions::from_str(url).ok()?;
@@ -340,10 +358,10 @@ struct Migrate {
     config: InboxConfig,
 }
 
-impl OnStore for Migrate {
+impl<S: Store> OnStore<S> for Migrate {
     type Output = Result<Vec<Month>, InboxError>;
 
-    async fn run<S: Store>(self, store: S) -> Self::Output {
+    async fn run(self, store: S) -> Self::Output {
         let guard = InboxGuard::new(store, self.config)?;
         let created = guard.migrate().await?;
         let months = history_months(guard.now(), guard.config().partitions_ahead)?;
@@ -393,10 +411,10 @@ struct Prune {
     dry_run: bool,
 }
 
-impl OnStore for Prune {
+impl<S: Store> OnStore<S> for Prune {
     type Output = Result<PrunePass, InboxError>;
 
-    async fn run<S: Store>(self, store: S) -> Self::Output {
+    async fn run(self, store: S) -> Self::Output {
         InboxGuard::new(store, self.config)?
             .run_pass(self.dry_run)
             .await
@@ -417,36 +435,15 @@ pub async fn open_migrated(
         url: redact(url),
         what,
     };
-    match Backend::of(url)? {
-        #[cfg(feature = "postgres")]
-        Backend::Postgres => {
-            let store = crate::PostgresStore::connect(url, connections)
-                .await?
-                .with_schema(schema.clone());
-            let mut conn = store.pool().acquire().await?;
-            if let Some(what) = unapplied_postgres(&mut conn, schema).await? {
-                return Err(not_migrated(what));
-            }
-            drop(conn);
-            Ok(store.into())
-        }
-        #[cfg(feature = "sqlite")]
-        Backend::Sqlite => {
-            let _ = schema;
-            if let Some(what) = missing_sqlite_file(url)? {
-                return Err(not_migrated(what));
-            }
-            let store = crate::SqliteStore::connect(url, connections).await?;
-            let mut conn = store.pool().acquire().await?;
-            if let Some(what) = unapplied_sqlite(&mut conn).await? {
-                return Err(not_migrated(what));
-            }
-            drop(conn);
-            Ok(store.into())
-        }
-        #[allow(unreachable_patterns)]
-        _ => Err(InboxError::UnsupportedUrl(redact(url))),
+    // Checked before connecting: connecting creates a missing SQLite file.
+    if let Some(what) = missing_sqlite_file(url)? {
+        return Err(not_migrated(what));
     }
+    let store = AnyStore::connect(url, connections, schema).await?;
+    if let Some(what) = store.unapplied_migrations().await? {
+        return Err(not_migrated(what));
+    }
+    Ok(store)
 }
 
 /// For commands that must not create a database: `Some(what)` when the file an `sqlite:`

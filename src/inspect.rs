@@ -22,19 +22,21 @@
 //! counts with them.
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
 use serde::Serialize;
 
-use crate::database::Backend;
-use crate::inbox::{ConfigError, InboxConfig};
+use crate::inbox::{ConfigError, InboxConfig, InboxError};
 use crate::logging::redact;
 use crate::month::Month;
 use crate::schema::Schema;
+use crate::store::{OnStore, Store};
 
 #[cfg(feature = "postgres")]
 mod postgres;
+mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
@@ -61,6 +63,9 @@ pub enum InspectError {
     /// The database could not be opened or reached (boxed: it is the largest variant).
     #[error(transparent)]
     Connect(Box<crate::database::ConnectError>),
+    /// The database could not be opened for another reason (boxed: it is large).
+    #[error(transparent)]
+    Open(Box<InboxError>),
     /// The database refused a query.
     #[error("database error while inspecting {url}: {}", crate::database::describe(.source))]
     Database {
@@ -297,7 +302,7 @@ impl InspectReport {
                 self.warnings.push(format!(
                     "queue {} keeps messages for {}, beyond the inbox ttl of {:.1} days: a \
                      consumer of it refuses to start; lower its x-message-ttl or policy, or \
-                     raise the ttl (see the retention runbook in docs/operations.md)",
+                     raise the ttl (see \"Choosing the TTL\" in docs/configuration.md)",
                     queue.queue,
                     queue.retention,
                     day(inbox.ttl)
@@ -343,20 +348,52 @@ pub async fn inspect_at(
     now: DateTime<Utc>,
 ) -> Result<InspectReport, InspectError> {
     options.config.validate()?;
-    let backend = Backend::of(url).map_err(|_| InspectError::UnsupportedUrl(redact(url)))?;
     let windows = [now - TimeDelta::hours(1), now - TimeDelta::days(1)];
-    let (name, facts) = match backend {
-        #[cfg(feature = "postgres")]
-        Backend::Postgres => (
-            "postgres",
-            postgres::facts(url, &options.schema, windows).await?,
-        ),
-        #[cfg(feature = "sqlite")]
-        Backend::Sqlite => ("sqlite", sqlite::facts(url, windows).await?),
-        #[allow(unreachable_patterns)]
-        _ => return Err(InspectError::UnsupportedUrl(redact(url))),
-    };
+    let store = crate::database::open_migrated(url, &options.schema, 2)
+        .await
+        .map_err(|error| opening_error(url, error))?;
+    let name = store.backend();
+    let facts = store
+        .run(ReadAll { windows })
+        .await
+        .map_err(database_error(url))?;
     Ok(assess(redact(url), name, facts, options, now))
+}
+
+/// A store `inspect` reads its figures from, all in one read-only snapshot.
+trait ReadFacts: Store {
+    /// Every figure; `windows` are the starts of the last hour and the last day.
+    fn facts(
+        &self,
+        windows: [DateTime<Utc>; 2],
+    ) -> impl Future<Output = Result<Facts, sqlx::Error>> + Send;
+}
+
+/// [`inspect_at`]'s reading, on the store the URL named.
+struct ReadAll {
+    windows: [DateTime<Utc>; 2],
+}
+
+impl<S: ReadFacts> OnStore<S> for ReadAll {
+    type Output = Result<Facts, sqlx::Error>;
+
+    async fn run(self, store: S) -> Self::Output {
+        store.facts(self.windows).await
+    }
+}
+
+/// Why the database at `url` could not be opened for inspection.
+fn opening_error(url: &str, error: InboxError) -> InspectError {
+    match error {
+        InboxError::NotMigrated { url, what } => InspectError::NotMigrated { url, what },
+        InboxError::Connect(error) => InspectError::Connect(error),
+        InboxError::UnsupportedUrl(url) => InspectError::UnsupportedUrl(url),
+        InboxError::Database(source) => InspectError::Database {
+            url: redact(url),
+            source,
+        },
+        other => InspectError::Open(Box::new(other)),
+    }
 }
 
 /// The error for a failed query on `url`.

@@ -106,14 +106,15 @@
 //!   connection errors; [`redact`](logging::redact) for logs.
 //!
 //! The `sagabox` command (migrate, prune, inspect, saga, dlq, console, serve, orchestrate,
-//! demo, bench, bench-broker) is the
+//! demo, bench, bench-broker, bench-saga) is the
 //! `sagabox-cli` package in `cli/`; the example sagas are packages of their own under
 //! `examples/` (`examples/checkout` is the saga behind `sagabox demo`). They use only
 //! this crate's public API.
 //!
 //! `docs/` has the rest: `architecture.md` (the actors and the path of a message),
-//! `guarantees.md` (the contract), `partitioning.md`, `operations.md` (TTL, pruning,
-//! `inspect`, the metric catalogue and alerts, upgrades, scaling out) and
+//! `guarantees.md` (the contract), `partitioning.md`, `configuration.md` (TTL, TLS,
+//! schemas, brokers, clusters, scaling out), `operations.md` (pruning, `inspect`, the
+//! metric catalogue and alerts, dead letters, upgrades), `console.md` and
 //! `benchmarks.md`.
 //!
 //! # Features
@@ -141,6 +142,8 @@ pub mod clock;
 pub mod consumer;
 pub mod database;
 pub mod delivery;
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+pub mod dlq;
 pub mod envelope;
 pub mod health;
 pub mod inbox;

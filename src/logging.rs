@@ -37,6 +37,40 @@ pub fn json_list<T: fmt::Display>(items: impl IntoIterator<Item = T>) -> String 
 /// password may hold an unescaped `/`, `?`, `@` or `:`), a query password runs to the
 /// next `&`, and where the two readings overlap both are hidden.
 pub fn redact(url: &str) -> String {
+    let mut hidden = password_spans(url);
+    hidden.sort_unstable();
+    let mut out = String::with_capacity(url.len());
+    let mut shown_from = 0;
+    for (start, end) in hidden {
+        if end <= shown_from {
+            continue;
+        }
+        if start >= shown_from {
+            out.push_str(&url[shown_from..start]);
+            out.push_str("***");
+        }
+        shown_from = end;
+    }
+    out.push_str(&url[shown_from..]);
+    out
+}
+
+/// `text` with every password of `url` (as [`redact`] finds them) replaced by `***`: a
+/// parser's message may quote the part of a URL it choked on.
+pub fn scrub(text: &str, url: &str) -> String {
+    let mut text = text.to_owned();
+    for (start, end) in password_spans(url) {
+        let secret = &url[start..end];
+        if !secret.is_empty() {
+            text = text.replace(secret, "***");
+        }
+    }
+    text
+}
+
+/// Where the passwords of `url` are: the user info's, and every query parameter whose
+/// name ends in `password`.
+fn password_spans(url: &str) -> Vec<(usize, usize)> {
     let mut hidden: Vec<(usize, usize)> = Vec::new();
     // The user info's password: between the first `:` after the scheme and the last `@`.
     if let Some(scheme_end) = url.find("://") {
@@ -62,21 +96,7 @@ pub fn redact(url: &str) -> String {
             hidden.push((param_start + eq + 1, param_end));
         }
     }
-    hidden.sort_unstable();
-    let mut out = String::with_capacity(url.len());
-    let mut shown_from = 0;
-    for (start, end) in hidden {
-        if end <= shown_from {
-            continue;
-        }
-        if start >= shown_from {
-            out.push_str(&url[shown_from..start]);
-            out.push_str("***");
-        }
-        shown_from = end;
-    }
-    out.push_str(&url[shown_from..]);
-    out
+    hidden
 }
 
 #[cfg(test)]
@@ -127,5 +147,17 @@ mod tests {
         for (url, redacted) in cases {
             assert_eq!(redact(url), redacted, "{url}");
         }
+    }
+
+    #[test]
+    fn a_message_quoting_a_url_loses_its_passwords() {
+        let url = "postgres://u:s3cret@db:5432/x?sslpassword=k3y&sslmode=require";
+        let message = "invalid port in postgres://u:s3cret@db:5432 (sslpassword=k3y)";
+        assert_eq!(
+            scrub(message, url),
+            "invalid port in postgres://u:***@db:5432 (sslpassword=***)"
+        );
+        // Nothing to hide: the text is unchanged.
+        assert_eq!(scrub("bad port", "sqlite:x.db"), "bad port");
     }
 }

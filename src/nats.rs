@@ -7,6 +7,9 @@
 //!   stream's real `max_age` checked against the inbox TTL before consuming.
 //! - [`serve_step`] and [`NatsDispatch`]: saga steps and their orchestrator in separate
 //!   processes, commands over JetStream and replies over core NATS.
+//! - [`DeadLetterStream`]: an operator's view of a subject's dead letters — list them
+//!   without taking them, replay them to their source subject under their own message
+//!   id (through [`DeadLetters`](crate::dlq::DeadLetters), for either broker).
 //! - [`codec`]: the envelope on JetStream, its id in `Nats-Msg-Id` so the server's
 //!   duplicate window drops a re-publish (and the inbox absorbs what the window misses);
 //!   [`NatsConfig`]: subjects, streams, prefetch, `ack_wait`, `max_deliver`, retention.
@@ -19,12 +22,14 @@ pub mod codec;
 mod config;
 mod consumer;
 mod dispatch;
+mod dlq;
 mod jetstream;
 mod stall;
 
 pub use config::{NatsConfig, NatsError};
 pub use consumer::{Consumer, ConsumerOptions};
 pub use dispatch::{NatsDispatch, serve_step};
+pub use dlq::DeadLetterStream;
 pub use jetstream::{
     RETENTION_SETTING, connect, declare, durable_consumer, measured_retention, prefixed_streams,
     publish,

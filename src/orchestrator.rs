@@ -499,14 +499,10 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
                 machine::Next::Save(change) => change,
                 machine::Next::Send(command) => {
                     let (reply, waited) = self.send(&saga, &command).await;
-                    machine::answer(
-                        &mut saga,
-                        &command,
-                        reply,
-                        self.clock.now(),
-                        waited,
-                        &mut rng,
-                    )
+                    let now = self.clock.now();
+                    let answered =
+                        machine::answer(&mut saga, &command, reply, now, waited, &mut rng);
+                    machine::settle(&mut saga, &definition, answered, now)
                 }
             };
             if !self.apply(&mut saga, change).await {

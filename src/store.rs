@@ -28,7 +28,7 @@ mod postgres;
 mod sqlite;
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-pub use any::{AnyStore, OnStore, Store};
+pub use any::{AnyStore, OnAnyStore, OnStore, Store};
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::MIGRATOR as POSTGRES_MIGRATOR;
 #[cfg(feature = "postgres")]

@@ -10,6 +10,7 @@ mod sender;
 mod settings;
 
 use std::collections::BTreeSet;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -233,15 +234,11 @@ pub async fn serve_step(
     let _ = inbox;
     match transport {
         #[cfg(feature = "rabbitmq")]
-        Transport::Amqp(config) if batch > 1 => {
+        Transport::Amqp(config) => {
             Ok(
-                amqp::serve_step_batched(config.clone(), pool, kinds, timeout, batch, linger)
+                amqp::serve_step_in_batches(config.clone(), pool, kinds, timeout, batch, linger)
                     .await?,
             )
-        }
-        #[cfg(feature = "rabbitmq")]
-        Transport::Amqp(config) => {
-            Ok(amqp::serve_step(config.clone(), pool, kinds, timeout).await?)
         }
         #[cfg(feature = "nats")]
         Transport::Nats(config) => {
@@ -253,16 +250,54 @@ pub async fn serve_step(
     }
 }
 
-/// An orchestrator's [`Dispatch`] on either transport.
+/// An orchestrator's [`Dispatch`] over the broker it was connected to.
 #[derive(Debug)]
-#[non_exhaustive]
-pub enum Dispatcher {
-    /// Over RabbitMQ.
-    #[cfg(feature = "rabbitmq")]
-    Amqp(AmqpDispatch),
-    /// Over NATS JetStream.
-    #[cfg(feature = "nats")]
-    Nats(NatsDispatch),
+pub struct Dispatcher(Box<dyn BrokerDispatch>);
+
+/// A broker's dispatch as [`Dispatcher`] holds it: its [`Dispatch`], and its stop.
+trait BrokerDispatch: std::fmt::Debug + Send + Sync {
+    fn dispatch_boxed<'a>(
+        &'a self,
+        consumer_type: &'a ConsumerType,
+        envelope: crate::envelope::Envelope,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<StepReply, StepFailure>>;
+
+    fn stop_boxed(&self) -> BoxFuture<'_, ()>;
+}
+
+type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+#[cfg(feature = "rabbitmq")]
+impl BrokerDispatch for AmqpDispatch {
+    fn dispatch_boxed<'a>(
+        &'a self,
+        consumer_type: &'a ConsumerType,
+        envelope: crate::envelope::Envelope,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<StepReply, StepFailure>> {
+        Box::pin(self.dispatch(consumer_type, envelope, timeout))
+    }
+
+    fn stop_boxed(&self) -> BoxFuture<'_, ()> {
+        Box::pin(self.stop())
+    }
+}
+
+#[cfg(feature = "nats")]
+impl BrokerDispatch for NatsDispatch {
+    fn dispatch_boxed<'a>(
+        &'a self,
+        consumer_type: &'a ConsumerType,
+        envelope: crate::envelope::Envelope,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<StepReply, StepFailure>> {
+        Box::pin(self.dispatch(consumer_type, envelope, timeout))
+    }
+
+    fn stop_boxed(&self) -> BoxFuture<'_, ()> {
+        Box::pin(self.stop())
+    }
 }
 
 impl Dispatcher {
@@ -273,26 +308,22 @@ impl Dispatcher {
         guard: InboxGuard<S>,
         consumer_type: ConsumerType,
     ) -> Result<Self, TransportError> {
-        match transport {
+        let dispatch: Box<dyn BrokerDispatch> = match transport {
             #[cfg(feature = "rabbitmq")]
-            Transport::Amqp(config) => Ok(Dispatcher::Amqp(
-                AmqpDispatch::connect(config.clone(), guard, consumer_type).await?,
-            )),
+            Transport::Amqp(config) => {
+                Box::new(AmqpDispatch::connect(config.clone(), guard, consumer_type).await?)
+            }
             #[cfg(feature = "nats")]
-            Transport::Nats(config) => Ok(Dispatcher::Nats(
-                NatsDispatch::connect(config.clone(), guard, consumer_type).await?,
-            )),
-        }
+            Transport::Nats(config) => {
+                Box::new(NatsDispatch::connect(config.clone(), guard, consumer_type).await?)
+            }
+        };
+        Ok(Dispatcher(dispatch))
     }
 
     /// Stops taking replies and closes the connections.
     pub async fn stop(&self) {
-        match self {
-            #[cfg(feature = "rabbitmq")]
-            Dispatcher::Amqp(dispatch) => dispatch.stop().await,
-            #[cfg(feature = "nats")]
-            Dispatcher::Nats(dispatch) => dispatch.stop().await,
-        }
+        self.0.stop_boxed().await;
     }
 }
 
@@ -303,11 +334,8 @@ impl Dispatch for Dispatcher {
         envelope: crate::envelope::Envelope,
         timeout: Duration,
     ) -> Result<StepReply, StepFailure> {
-        match self {
-            #[cfg(feature = "rabbitmq")]
-            Dispatcher::Amqp(dispatch) => dispatch.dispatch(consumer_type, envelope, timeout).await,
-            #[cfg(feature = "nats")]
-            Dispatcher::Nats(dispatch) => dispatch.dispatch(consumer_type, envelope, timeout).await,
-        }
+        self.0
+            .dispatch_boxed(consumer_type, envelope, timeout)
+            .await
     }
 }

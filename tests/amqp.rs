@@ -12,13 +12,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 use std::time::Duration;
 
-use common::Pg;
 use common::rabbit::Rabbit;
+use common::{Pg, effects};
 use lapin::BasicProperties;
+use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::{AMQPValue, FieldTable};
 use ractor::Actor;
 use sagabox::amqp::{
-    AmqpDispatch, AmqpError, Consumer, ConsumerOptions, DeadLetterQueue, QueueType, codec,
-    serve_step,
+    AmqpConfig, AmqpDispatch, AmqpError, Consumer, ConsumerOptions, DeadLetterQueue, QueueType,
+    codec, serve_step,
 };
 use sagabox::consumer::ConsumerHandle;
 use sagabox::delivery::{DEAD_REASON_HEADER, Disposition};
@@ -26,10 +28,8 @@ use sagabox::orchestrator::Dispatch;
 use sagabox::outbox::OutboxWriter;
 use sagabox::relay::{Relay, RelayArguments, RelayConfig, RelayMessage};
 use sagabox::retention::RetentionError;
-use sagabox::step::{StepError, StepHandler, StepOutcome, StepPool, StepPoolConfig};
-use sagabox::{
-    ConsumerType, Envelope, GuardError, InboxConfig, InboxGuard, MessageId, Outcome, PostgresStore,
-};
+use sagabox::step::{StepError, StepFailure, StepHandler, StepOutcome, StepPool, StepPoolConfig};
+use sagabox::{ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId, PostgresStore};
 use serde_json::{Value, json};
 use sqlx::PgConnection;
 
@@ -39,7 +39,7 @@ const EFFECTS: &str = "CREATE TABLE effects (message_id TEXT NOT NULL, body JSON
 /// one `effects` row per applied message (no unique constraint: only the inbox keeps
 /// it exact). Counts duplicates in `duplicates`.
 async fn guarded_consumer(
-    rabbit: &Rabbit,
+    config: &AmqpConfig,
     guard: &InboxGuard<PostgresStore>,
     consumer_type: &str,
     kinds: &[&str],
@@ -48,35 +48,13 @@ async fn guarded_consumer(
     let consumer_type = ConsumerType::new(consumer_type).unwrap();
     let options = ConsumerOptions::new(consumer_type.clone(), kinds.iter().copied());
     let guard = guard.clone();
-    Consumer::spawn(rabbit.config.clone(), options, move |envelope: Envelope| {
+    Consumer::spawn(config.clone(), options, move |envelope: Envelope| {
         let (guard, consumer_type, duplicates) = (
             guard.clone(),
             consumer_type.clone(),
             Arc::clone(&duplicates),
         );
-        async move {
-            let processed = guard
-                .process(&consumer_type, &envelope, async |conn, envelope| {
-                    sqlx::query("INSERT INTO effects (message_id, body) VALUES ($1, $2)")
-                        .bind(envelope.id.as_str())
-                        .bind(&envelope.payload)
-                        .execute(&mut *conn)
-                        .await?;
-                    Ok::<_, sqlx::Error>(json!({"ok": true}))
-                })
-                .await;
-            match processed {
-                Ok(Outcome::Applied(_)) => Disposition::Done { reply: None },
-                Ok(Outcome::Duplicate { .. }) => {
-                    duplicates.fetch_add(1, SeqCst);
-                    Disposition::Done { reply: None }
-                }
-                Err(GuardError::Inbox(error)) if !error.is_retryable() => {
-                    Disposition::Reject(error.to_string())
-                }
-                Err(error) => Disposition::Retry(error.to_string()),
-            }
-        }
+        async move { effects::apply(&guard, &consumer_type, &envelope, &duplicates).await }
     })
     .await
     .unwrap()
@@ -101,7 +79,7 @@ async fn a_message_published_three_times_is_applied_once_and_acked_three_times()
     }
     let duplicates = Arc::new(AtomicU32::new(0));
     let consumer = guarded_consumer(
-        &rabbit,
+        &rabbit.config,
         &guard,
         "payment",
         &["charge"],
@@ -148,7 +126,14 @@ async fn malformed_messages_are_dead_lettered_with_their_reason_and_consuming_go
     );
     rabbit.publish_raw(&queue, &body, properties).await;
 
-    let consumer = guarded_consumer(&rabbit, &guard, "payment", &["charge"], Arc::default()).await;
+    let consumer = guarded_consumer(
+        &rabbit.config,
+        &guard,
+        "payment",
+        &["charge"],
+        Arc::default(),
+    )
+    .await;
     let stats = Arc::clone(consumer.stats());
     common::wait_for("every message settled", async || {
         stats.acked.load(SeqCst) == 1 && stats.dead_lettered.load(SeqCst) == bad.len() as u64
@@ -223,7 +208,7 @@ async fn a_consumer_dropped_between_commit_and_ack_gets_a_duplicate_and_one_side
 
     let duplicates = Arc::new(AtomicU32::new(0));
     let consumer = guarded_consumer(
-        &rabbit,
+        &rabbit.config,
         &guard,
         "payment",
         &["charge"],
@@ -444,7 +429,7 @@ async fn rows_published_by_a_relay_that_failed_before_marking_go_again_and_apply
 
     let duplicates = Arc::new(AtomicU32::new(0));
     let consumer = guarded_consumer(
-        &rabbit,
+        &rabbit.config,
         &guard,
         "email",
         &["notify"],
@@ -624,6 +609,100 @@ async fn the_orchestrator_reaches_a_step_through_the_broker_and_repeats_get_the_
     assert_eq!(rabbit.ready(&rabbit.queue("payment")).await, 0);
 }
 
+/// A reply the broker refuses to confirm (its queue full, rejecting publishes) leaves
+/// the command unsettled on a live connection: the consumer hands it back, so it is
+/// delivered again, and settles once the reply can go.
+#[tokio::test]
+async fn a_command_whose_reply_is_refused_is_handed_back_and_delivered_again() {
+    let rabbit = Rabbit::new(&["payment"]).await;
+    rabbit.declare("payment").await;
+    let full = format!("{}.full-replies", rabbit.config.queue_prefix);
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
+    arguments.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    rabbit
+        .channel
+        .queue_declare(
+            full.as_str().into(),
+            QueueDeclareOptions::default(),
+            arguments,
+        )
+        .await
+        .unwrap();
+    let deliveries = Arc::new(AtomicU32::new(0));
+    let options = ConsumerOptions::new(ConsumerType::new("payment").unwrap(), ["charge"]);
+    let consumer = Consumer::spawn(rabbit.config.clone(), options, {
+        let deliveries = Arc::clone(&deliveries);
+        move |_: Envelope| {
+            deliveries.fetch_add(1, SeqCst);
+            async {
+                let reply = Envelope::new(MessageId::new_v7(), "reply", json!({})).unwrap();
+                Disposition::Done { reply: Some(reply) }
+            }
+        }
+    })
+    .await
+    .unwrap();
+    let (body, properties) = message(MessageId::new_v7().as_str(), "charge", json!({}));
+    rabbit
+        .publish_raw(
+            &rabbit.queue("payment"),
+            &body,
+            properties.with_reply_to(full.as_str().into()),
+        )
+        .await;
+    common::wait_for(
+        "the command delivered again after its refused reply",
+        async || deliveries.load(SeqCst) >= 2,
+    )
+    .await;
+    // Room for the reply: the next delivery settles and the queue drains.
+    rabbit
+        .channel
+        .queue_delete(full.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    let stats = Arc::clone(consumer.stats());
+    common::wait_for("the command acked", async || stats.acked.load(SeqCst) == 1).await;
+    consumer.stop().await;
+    assert_eq!(rabbit.ready(&rabbit.queue("payment")).await, 0);
+    assert_eq!(rabbit.ready(&rabbit.dead_queue("payment")).await, 0);
+}
+
+/// A broker connection that stops answering (every byte held, as behind a node that
+/// accepts but no longer serves) fails the dispatch within its timeout, as a retryable
+/// failure, instead of holding the saga's next command for ever.
+#[tokio::test]
+async fn a_dispatch_whose_broker_stops_answering_fails_within_its_timeout() {
+    use common::proxy::FaultProxy;
+
+    let (pg, rabbit) = (Pg::new().await, Rabbit::new(&["payment"]).await);
+    let guard = InboxGuard::new(pg.store(4).await, InboxConfig::default()).unwrap();
+    let proxy = FaultProxy::in_front_of(&rabbit.config.url).await;
+    let mut config = rabbit.config.clone();
+    config.url = proxy.url(&rabbit.config.url);
+    let dispatch = AmqpDispatch::connect(config, guard, ConsumerType::new("orchestrator").unwrap())
+        .await
+        .unwrap();
+    proxy.set_delay(Duration::from_secs(60));
+    let payment = ConsumerType::new("payment").unwrap();
+    let command = Envelope::new(MessageId::new_v7(), "charge", json!({})).unwrap();
+    let sent = dispatch.dispatch(&payment, command, Duration::from_secs(2));
+    let failure = tokio::time::timeout(Duration::from_secs(20), sent)
+        .await
+        .expect("the dispatch ended instead of waiting on the silent connection")
+        .unwrap_err();
+    assert!(
+        matches!(&failure, StepFailure::Retryable(reason) if reason.contains("did not answer")),
+        "{failure}"
+    );
+    // Not stopped: its connections are held behind the proxy; the runtime ends them.
+    drop(dispatch);
+}
+
 #[tokio::test]
 async fn the_relay_reconnects_after_the_broker_closes_its_connection() {
     let (pg, rabbit) = (Pg::new().await, Rabbit::new(&["email"]).await);
@@ -685,7 +764,7 @@ async fn a_consumer_whose_connection_is_closed_reconnects_and_applies_each_messa
     rabbit.declare("payment").await;
     let duplicates = Arc::new(AtomicU32::new(0));
     let consumer = guarded_consumer(
-        &rabbit,
+        &rabbit.config,
         &guard,
         "payment",
         &["charge"],
@@ -700,7 +779,13 @@ async fn a_consumer_whose_connection_is_closed_reconnects_and_applies_each_messa
             .publish_raw(&rabbit.queue("payment"), &body, properties)
             .await;
         if n == 150 {
-            // Messages are in flight: some applied and not yet acked, some unacked.
+            // Closed once the consumer is consuming (a close during its subscribing
+            // would be a failed subscription, not a lost one): messages are in flight,
+            // some applied and not yet acked, some unacked.
+            common::wait_for("the first messages applied", async || {
+                pg.scalar("SELECT COUNT(*) FROM effects").await >= 20
+            })
+            .await;
             assert_eq!(rabbit.close_connections("consumer payment"), 1);
         }
     }
@@ -1152,7 +1237,7 @@ async fn an_existing_queue_of_another_type_is_refused_with_the_fix() {
         rabbit.queue("payment").as_str(),
         "--queue-type classic",
         "PRECONDITION_FAILED",
-        "docs/operations.md",
+        "docs/configuration.md",
     ] {
         assert!(text.contains(part), "{part} missing from: {text}");
     }
@@ -1216,6 +1301,12 @@ async fn replicas_are_declared_as_the_quorum_queues_initial_group_size() {
         arguments.contains("x-quorum-initial-group-size") && arguments.contains("x-queue-type"),
         "{arguments}"
     );
+    // Its dead queue is a quorum queue too, replicated alike.
+    let dead = rabbit.queue_arguments(&rabbit.dead_queue("payment"));
+    assert!(
+        dead.contains("quorum") && dead.contains("x-quorum-initial-group-size"),
+        "{dead}"
+    );
     rabbit.declare("inventory").await;
     let arguments = rabbit.queue_arguments(&rabbit.queue("inventory"));
     assert!(arguments.contains("x-queue-type"), "{arguments}");
@@ -1223,4 +1314,97 @@ async fn replicas_are_declared_as_the_quorum_queues_initial_group_size() {
         !arguments.contains("x-quorum-initial-group-size"),
         "{arguments}"
     );
+}
+
+/// A classic dead queue declared before dead queues were quorum queues is kept as it
+/// is, with its letters: the declare falls back to it instead of refusing.
+#[tokio::test]
+async fn an_existing_classic_dead_queue_is_kept_with_its_letters() {
+    let rabbit = Rabbit::new(&["payment"]).await;
+    let dead = rabbit.dead_queue("payment");
+    rabbit
+        .channel
+        .queue_declare(
+            dead.as_str().into(),
+            lapin::options::QueueDeclareOptions::durable(),
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let (body, properties) = message("old-letter", "charge", json!({}));
+    rabbit.publish_raw(&dead, &body, properties).await;
+    rabbit.declare("payment").await;
+    let arguments = rabbit.queue_arguments(&dead);
+    assert!(!arguments.contains("quorum"), "{arguments}");
+    assert!(
+        rabbit
+            .queue_arguments(&rabbit.queue("payment"))
+            .contains("quorum"),
+        "the work queue is a quorum queue"
+    );
+    common::wait_for("the old letter counted", async || {
+        rabbit.ready(&dead).await == 1
+    })
+    .await;
+}
+
+/// A cluster's URL list with nodes that are down: every connection, wherever in the list
+/// it starts, reaches the live one, a guarded consumer on the list
+/// applies what is published, and a list of only dead nodes is refused naming how many
+/// were tried, without a password.
+#[tokio::test]
+async fn a_url_list_connects_to_the_node_that_answers_wherever_it_stands() {
+    let (pg, rabbit) = (Pg::new().await, Rabbit::new(&["payment"]).await);
+    pg.exec(EFFECTS).await;
+    let dead = |port: u16| format!("amqp://guest:s3cret-pw@127.0.0.1:{port}/%2f");
+    let (dead_a, dead_b) = (
+        dead(common::scrape::free_port()),
+        dead(common::scrape::free_port()),
+    );
+    let live = rabbit.config.url.clone();
+    let mut listed = rabbit.config.clone();
+    listed.url = format!("{dead_a}, {live},{dead_b}");
+    listed.validate().unwrap();
+    // Whichever node of the list a connection starts at, it ends on the live one.
+    for turn in 0..3 {
+        let connection = sagabox::amqp::connect(&listed, "listed")
+            .await
+            .unwrap_or_else(|error| panic!("connection {turn}: {error}"));
+        assert!(connection.status().connected());
+        connection.close(200, "done".into()).await.unwrap();
+    }
+    let guard = InboxGuard::new(pg.store(4).await, InboxConfig::default()).unwrap();
+    let consumer = guarded_consumer(
+        &listed,
+        &guard,
+        "payment",
+        &["charge"],
+        Arc::new(AtomicU32::new(0)),
+    )
+    .await;
+    for n in 0..5 {
+        let (body, properties) = message(&format!("listed-{n}"), "charge", json!({"n": n}));
+        rabbit
+            .publish_raw(&rabbit.queue("payment"), &body, properties)
+            .await;
+    }
+    let stats = Arc::clone(consumer.stats());
+    common::wait_for("five acks", async || stats.acked.load(SeqCst) == 5).await;
+    consumer.stop().await;
+    assert_eq!(pg.scalar("SELECT COUNT(*) FROM effects").await, 5);
+
+    let mut all_dead = rabbit.config.clone();
+    all_dead.url = format!("{dead_a},{dead_b}");
+    let error = sagabox::amqp::connect(&all_dead, "dead").await.unwrap_err();
+    assert!(
+        matches!(error, AmqpError::NoNodeAnswered { nodes: 2, .. }),
+        "{error}"
+    );
+    let text = error.to_string();
+    assert!(!text.contains("s3cret-pw"), "{text}");
+
+    let mut mixed = rabbit.config.clone();
+    mixed.url = format!("{live},amqps://guest:guest@127.0.0.1:5671/%2f");
+    let refused = mixed.validate().unwrap_err().to_string();
+    assert!(refused.contains("mixes amqp:// and amqps://"), "{refused}");
 }

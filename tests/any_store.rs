@@ -29,10 +29,10 @@ struct InsertIn {
     saga: SagaInstance,
 }
 
-impl OnStore for InsertIn {
+impl<S: Store> OnStore<S> for InsertIn {
     type Output = &'static str;
 
-    async fn run<S: Store>(self, store: S) -> &'static str {
+    async fn run(self, store: S) -> &'static str {
         let mut tx = Store::pool(&store).begin().await.unwrap();
         store.insert(&mut tx, &self.saga).await.unwrap();
         tx.commit().await.unwrap();
@@ -69,4 +69,21 @@ async fn a_url_of_no_supported_database_is_refused_with_the_password_hidden() {
         .unwrap_err();
     assert!(matches!(error, InboxError::UnsupportedUrl(_)), "{error}");
     assert!(!error.to_string().contains("hunter2"), "{error}");
+}
+
+/// SQLite writes one transaction at a time: the pool the chooser opens holds no more
+/// connections than are worth having, however many are asked for.
+#[tokio::test]
+async fn an_sqlite_pool_is_capped_at_the_connections_worth_having() {
+    let fx = common::Lite::new().await;
+    let store = AnyStore::connect(&fx.url, 64, &Schema::default())
+        .await
+        .unwrap();
+    let AnyStore::Sqlite(store) = store else {
+        panic!("an sqlite: URL opens the SQLite store");
+    };
+    assert_eq!(
+        store.pool().options().get_max_connections(),
+        sagabox::SqliteStore::MAX_USEFUL_CONNECTIONS
+    );
 }

@@ -108,6 +108,11 @@ fn every_label_value_the_docs_and_dashboard_query_is_emitted() {
     let dashboard = include_str!("../docs/grafana-dashboard.json").replace("\\\"", "\"");
     let texts = [
         ("docs/operations.md", include_str!("../docs/operations.md")),
+        (
+            "docs/configuration.md",
+            include_str!("../docs/configuration.md"),
+        ),
+        ("docs/console.md", include_str!("../docs/console.md")),
         ("docs/guarantees.md", include_str!("../docs/guarantees.md")),
         (
             "docs/architecture.md",
@@ -206,11 +211,21 @@ fn the_dead_letter_reasons_in_the_guide_are_the_ones_the_code_emits() {
             "the alert leaves out {reason}: {alert}"
         );
     }
+    let docs = [
+        ("docs/operations.md", guide),
+        (
+            "docs/configuration.md",
+            include_str!("../docs/configuration.md"),
+        ),
+        ("docs/console.md", include_str!("../docs/console.md")),
+    ];
     for retired in ["malformed", "expired", "pruned", "future", "poison"] {
-        assert!(
-            !guide.contains(&format!("`{retired}`")),
-            "docs/operations.md still names the reason {retired:?}"
-        );
+        for (file, text) in docs {
+            assert!(
+                !text.contains(&format!("`{retired}`")),
+                "{file} still names the reason {retired:?}"
+            );
+        }
     }
 }
 

@@ -16,13 +16,11 @@ use common::Pg;
 use common::rabbit::Rabbit;
 use lapin::BasicProperties;
 use lapin::types::AMQPValue;
-use sagabox::amqp::{
-    AmqpConfig, AmqpError, Consumer, ConsumerOptions, DeadLetter, DeadLetterQueue, DlqError,
-    REPLAYED_HEADER, ReplayOptions, codec,
-};
+use sagabox::amqp::{AmqpConfig, AmqpError, Consumer, ConsumerOptions, DeadLetterQueue, codec};
 use sagabox::consumer::ConsumerHandle;
 use sagabox::delivery::DeadReason;
 use sagabox::delivery::{ATTEMPTS_HEADER, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, Disposition};
+use sagabox::dlq::{DeadLetter, DlqError, REPLAYED_HEADER, ReplayOptions};
 use sagabox::{ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId, Outcome, PostgresStore};
 use serde_json::json;
 

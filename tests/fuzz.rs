@@ -6,7 +6,7 @@
 //!
 //! Each target first replays its corpus, `tests/corpus/<target>/*` (inputs that once
 //! mattered: keep adding the minimal failing input a run prints), then runs generated
-//! cases: at least `FUZZ_CASES` (100,000 by default), and then more until `FUZZ_SECONDS`
+//! cases: at least `FUZZ_CASES` (20,000 by default), and then more until `FUZZ_SECONDS`
 //! have passed (0 by default). A long run outside CI:
 //!
 //! ```text

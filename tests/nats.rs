@@ -21,24 +21,24 @@ mod jetstream;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
 use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::stream::{self, RetentionPolicy};
-use common::Pg;
+use common::{Pg, effects};
 use jetstream::{Js, OwnServer};
 use sagabox::consumer::ConsumerHandle;
-use sagabox::delivery::{DEAD_REASON_HEADER, Disposition};
+use sagabox::delivery::{DEAD_REASON_HEADER, DeadReason, Disposition};
+use sagabox::dlq::{DeadLetters, DlqError, ReplayOptions};
 use sagabox::nats::{Consumer, ConsumerOptions, NatsDispatch, NatsError, codec, serve_step};
 use sagabox::orchestrator::Dispatch;
 use sagabox::outbox::OutboxWriter;
 use sagabox::relay::{Relay, RelayArguments, RelayConfig, RelayMessage};
 use sagabox::retention::RetentionError;
 use sagabox::step::{StepError, StepHandler, StepOutcome, StepPool, StepPoolConfig};
-use sagabox::{
-    ConsumerType, Envelope, GuardError, InboxConfig, InboxGuard, MessageId, Outcome, PostgresStore,
-};
+use sagabox::transport::Transport;
+use sagabox::{ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId, PostgresStore};
 use serde_json::{Value, json};
 use sqlx::PgConnection;
 
@@ -64,29 +64,7 @@ async fn guarded_consumer(
             consumer_type.clone(),
             Arc::clone(&duplicates),
         );
-        async move {
-            let processed = guard
-                .process(&consumer_type, &envelope, async |conn, envelope| {
-                    sqlx::query("INSERT INTO effects (message_id, body) VALUES ($1, $2)")
-                        .bind(envelope.id.as_str())
-                        .bind(&envelope.payload)
-                        .execute(&mut *conn)
-                        .await?;
-                    Ok::<_, sqlx::Error>(json!({"ok": true}))
-                })
-                .await;
-            match processed {
-                Ok(Outcome::Applied(_)) => Disposition::Done { reply: None },
-                Ok(Outcome::Duplicate { .. }) => {
-                    duplicates.fetch_add(1, SeqCst);
-                    Disposition::Done { reply: None }
-                }
-                Err(GuardError::Inbox(error)) if !error.is_retryable() => {
-                    Disposition::Reject(error.to_string())
-                }
-                Err(error) => Disposition::Retry(error.to_string()),
-            }
-        }
+        async move { effects::apply(&guard, &consumer_type, &envelope, &duplicates).await }
     })
     .await
     .unwrap()
@@ -183,6 +161,179 @@ async fn malformed_messages_are_dead_lettered_with_their_reason_and_consuming_go
     );
     assert_eq!(pg.scalar("SELECT COUNT(*) FROM effects").await, 1);
     assert_eq!(js.pending("payment").await, 0);
+}
+
+/// A consumer that rejects every message while `reject` holds (dead-lettered as
+/// `rejected`) and applies it through the guard once it no longer does.
+async fn rejecting_consumer(
+    js: &Js,
+    guard: &InboxGuard<PostgresStore>,
+    reject: Arc<AtomicBool>,
+) -> ConsumerHandle {
+    let consumer_type = ConsumerType::new("payment").unwrap();
+    let options = ConsumerOptions::new(consumer_type.clone(), ["charge"]);
+    let guard = guard.clone();
+    Consumer::spawn(js.config.clone(), options, move |envelope: Envelope| {
+        let (guard, consumer_type, reject) =
+            (guard.clone(), consumer_type.clone(), Arc::clone(&reject));
+        async move {
+            if reject.load(SeqCst) {
+                return Disposition::Reject("the card is not on file".to_owned());
+            }
+            effects::apply(&guard, &consumer_type, &envelope, &AtomicU32::new(0)).await
+        }
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn dead_letters_are_listed_in_place_and_replayed_under_their_id_once() {
+    let (pg, js) = (Pg::new().await, Js::new(&["payment"]).await);
+    pg.exec(EFFECTS).await;
+    let guard = guard(pg.store(4).await);
+    js.declare("payment").await;
+    let subject = js.subject("payment");
+    let ids: Vec<MessageId> = (0..3).map(|_| MessageId::new_v7()).collect();
+    for (n, id) in ids.iter().enumerate() {
+        let (body, headers) = message(id, json!({"cents": n}));
+        js.publish_raw(&subject, headers, body).await;
+    }
+    js.publish_raw(
+        &subject,
+        {
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", "refund-1");
+            headers
+        },
+        br#"{"kind":"refund","payload":{}}"#.to_vec(),
+    )
+    .await;
+    let reject = Arc::new(AtomicBool::new(true));
+    let consumer = rejecting_consumer(&js, &guard, Arc::clone(&reject)).await;
+    let stats = Arc::clone(consumer.stats());
+    common::wait_for("four dead letters", async || {
+        stats.dead_lettered.load(SeqCst) == 4
+    })
+    .await;
+
+    let transport = Transport::Nats(js.config.clone());
+    let dead = DeadLetters::open(&transport, &subject).await.unwrap();
+    let listed = dead.list(None).await.unwrap();
+    assert_eq!(listed.total, 4);
+    assert_eq!(listed.queue, format!("{subject}.dead"));
+    let read: Vec<(Option<String>, Option<String>, Option<String>)> = listed
+        .messages
+        .iter()
+        .map(|m| (m.message_id.clone(), m.reason.clone(), m.kind.clone()))
+        .collect();
+    let charge = |id: &MessageId| {
+        (
+            Some(id.to_string()),
+            Some("rejected".to_owned()),
+            Some("charge".to_owned()),
+        )
+    };
+    assert_eq!(
+        read,
+        [
+            charge(&ids[0]),
+            charge(&ids[1]),
+            charge(&ids[2]),
+            (
+                Some("refund-1".to_owned()),
+                Some("unknown_kind".to_owned()),
+                Some("refund".to_owned())
+            ),
+        ]
+    );
+    assert!(listed.messages[0].bytes > 0);
+    assert_eq!(
+        listed.messages[0].detail.as_deref(),
+        Some("the card is not on file")
+    );
+    let again = DeadLetters::open(&transport, &format!("{subject}.dead"))
+        .await
+        .unwrap();
+    assert_eq!(
+        again.list(Some(2)).await.unwrap().messages,
+        listed.messages[..2]
+    );
+    assert_eq!(again.count().await.unwrap(), 4, "a listing takes nothing");
+    again.close().await;
+
+    // The card is on file now: replay two of the rejected ones, then the rest of them.
+    reject.store(false, SeqCst);
+    let first = dead
+        .replay(&ReplayOptions {
+            reason: Some(DeadReason::Rejected),
+            limit: Some(2),
+        })
+        .await
+        .unwrap();
+    assert_eq!((first.replayed, first.left), (2, 2));
+    let rest = dead
+        .replay(&ReplayOptions {
+            reason: Some(DeadReason::Rejected),
+            limit: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!((rest.replayed, rest.left), (1, 1));
+    common::wait_for("three applied", async || stats.acked.load(SeqCst) == 3).await;
+    let left = dead.list(None).await.unwrap();
+    assert_eq!(left.messages.len(), 1);
+    assert_eq!(left.messages[0].message_id.as_deref(), Some("refund-1"));
+
+    // A replayed copy of an applied message is answered by the inbox, not applied again.
+    // (Under a Nats-Msg-Id of its own: the dead-letter stream's window drops a repeat.)
+    let (body, mut headers) = message(&ids[0], json!({"cents": 0}));
+    headers.insert(DEAD_REASON_HEADER, "rejected");
+    headers.insert(codec::MESSAGE_ID_HEADER, ids[0].as_str());
+    headers.insert("Nats-Msg-Id", format!("{}-copy", ids[0]));
+    js.publish_raw(&format!("{subject}.dead"), headers, body)
+        .await;
+    let once_more = dead.replay(&ReplayOptions::default()).await.unwrap();
+    assert_eq!(once_more.replayed, 2, "the applied one and the refund");
+    common::wait_for("the copy acked, the refund dead again", async || {
+        stats.acked.load(SeqCst) == 4 && stats.dead_lettered.load(SeqCst) == 5
+    })
+    .await;
+    consumer.stop().await;
+    let replays = dead.list(None).await.unwrap();
+    assert_eq!(replays.messages[0].replayed, Some(1));
+    dead.close().await;
+    let applied: Vec<String> = sqlx::query_scalar("SELECT message_id FROM effects ORDER BY 1")
+        .fetch_all(&pg.pool)
+        .await
+        .unwrap();
+    let mut expected: Vec<String> = ids.iter().map(ToString::to_string).collect();
+    expected.sort();
+    assert_eq!(applied, expected, "each applied once");
+    assert_eq!(js.pending("payment").await, 0);
+}
+
+#[tokio::test]
+async fn dead_letters_of_a_subject_without_streams_are_not_found() {
+    let js = Js::new(&["payment"]).await;
+    let transport = Transport::Nats(js.config.clone());
+    let subject = js.subject("payment");
+    let error = DeadLetters::open(&transport, &subject).await.unwrap_err();
+    assert!(
+        matches!(
+            &error,
+            DlqError::QueueNotFound {
+                broker: "NATS JetStream",
+                ..
+            }
+        ),
+        "{error}"
+    );
+    assert!(error.to_string().contains("_dead"), "{error}");
+    let error = DeadLetters::open(&transport, "sagabox.*")
+        .await
+        .unwrap_err();
+    assert!(matches!(error, DlqError::InvalidQueue { .. }), "{error}");
 }
 
 #[tokio::test]

@@ -395,6 +395,35 @@ macro_rules! orchestrator_suite {
                 orchestrator.stop(None);
             }
 
+            /// Without faults a saga is saved once per answer, and the change that ends
+            /// it rides in the save of the answer that led to it: flight and hotel
+            /// booked, the car refused (turned to compensate), hotel and flight
+            /// cancelled (compensated) — five answers, version 5.
+            #[tokio::test]
+            async fn a_saga_is_saved_once_per_answer_its_ending_included() {
+                let fx = <$fixture>::new().await;
+                fx.exec(JOURNAL_DDL).await;
+                let definition = Arc::new(SagaDefinition::from_toml_str(JOURNEY).unwrap());
+                let dispatch = pools(&fx, &definition, Journal(Arc::default()), 1).await;
+                let store = fx.store(4).await;
+                let (orchestrator, _) = Actor::spawn(
+                    None,
+                    Orchestrator::new(),
+                    OrchestratorArguments::new(definition, store.clone(), Arc::new(dispatch)),
+                )
+                .await
+                .unwrap();
+                let saga = SagaInstance::new("once-1", "journey", json!({ "n": 0 }), Utc::now());
+                let mut conn = store.pool().acquire().await.unwrap();
+                store.insert(&mut conn, &saga).await.unwrap();
+                drop(conn);
+                orchestrator.send_message(OrchestratorMessage::Drive(saga.id)).unwrap();
+                wait_idle(&orchestrator).await;
+                let stored = store.load("once-1").await.unwrap().unwrap();
+                assert_eq!((stored.status.as_str(), stored.version), ("compensated", 5));
+                orchestrator.stop(None);
+            }
+
             /// Step pools and an orchestrator on `fx`, with faults.
             async fn start(
                 fx: &$fixture,

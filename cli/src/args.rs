@@ -9,8 +9,8 @@
 
 use std::time::Duration;
 
-use sagabox::database::Backend;
-use sagabox::inbox::{ConfigError, InboxConfig};
+use sagabox::database::{Backend, ConnectError};
+use sagabox::inbox::{ConfigError, InboxConfig, InboxError};
 use sagabox::logging::redact;
 use sagabox::transport::Transport;
 
@@ -110,63 +110,17 @@ pub fn database_url(url: &str) -> Result<String, ArgError> {
             position,
         });
     }
-    match Backend::of(url) {
-        Ok(Backend::Postgres) => {
-            use std::str::FromStr;
-            sqlx::postgres::PgConnectOptions::from_str(url).map_err(|error| {
-                let mut reason = match &error {
-                    sqlx::Error::Configuration(reason) => reason.to_string(),
-                    other => other.to_string(),
-                };
-                if reason.contains("ssl_mode") {
-                    reason = format!(
-                        "{reason}: sslmode is one of disable, allow, prefer, require, \
-                         verify-ca, verify-full"
-                    );
-                }
-                ArgError::InvalidUrl {
-                    url: redact(url),
-                    reason: scrub(&reason, url),
-                }
-            })?;
-            Ok(url.to_owned())
-        }
+    match Backend::parse(url) {
         Ok(_) => Ok(url.to_owned()),
+        Err(InboxError::Connect(error)) => Err(ArgError::InvalidUrl {
+            url: redact(url),
+            reason: match *error {
+                ConnectError::InvalidUrl { reason, .. } => reason,
+                other => other.to_string(),
+            },
+        }),
         Err(_) => Err(ArgError::UnsupportedUrl(redact(url))),
     }
-}
-
-/// `text` with the password of `url` (if it has one) replaced: a parser's message may
-/// quote the part of the URL it choked on.
-fn scrub(text: &str, url: &str) -> String {
-    let mut text = text.to_owned();
-    for secret in passwords(url) {
-        if !secret.is_empty() {
-            text = text.replace(secret, "***");
-        }
-    }
-    text
-}
-
-/// The password-looking parts of `url`, as [`redact`] hides them.
-fn passwords(url: &str) -> Vec<&str> {
-    let mut found = Vec::new();
-    if let Some((_, rest)) = url.split_once("://")
-        && let Some((userinfo, _)) = rest.rsplit_once('@')
-        && let Some((_, password)) = userinfo.split_once(':')
-    {
-        found.push(password);
-    }
-    if let Some((_, query)) = url.split_once('?') {
-        for param in query.split('&') {
-            if let Some((name, value)) = param.split_once('=')
-                && name.to_ascii_lowercase().ends_with("password")
-            {
-                found.push(value);
-            }
-        }
-    }
-    found
 }
 
 /// `value` as written, unless that is long (Rust writes `1e-300` out in full): then in
@@ -534,4 +488,29 @@ pub fn queue_type(value: &str) -> Result<sagabox::amqp::QueueType, String> {
     value
         .parse()
         .map_err(|error: sagabox::amqp::AmqpError| error.to_string())
+}
+
+/// The broker whose dead letters `dlq` and the console read: `nats_url` when given
+/// (`--nats-url`), else `amqp_url` (`--amqp-url`), else none. An error names the flag and
+/// what is wrong with its URL.
+pub fn dead_letter_broker(
+    amqp_url: Option<&str>,
+    nats_url: Option<&str>,
+) -> Result<Option<Transport>, String> {
+    let (flag, url, schemes): (&str, &str, &[&str]) = match (nats_url, amqp_url) {
+        (Some(url), _) => ("--nats-url", url, &["nats://", "tls://"]),
+        (None, Some(url)) => ("--amqp-url", url, &["amqp://", "amqps://"]),
+        (None, None) => return Ok(None),
+    };
+    if !schemes.iter().any(|scheme| url.starts_with(scheme)) {
+        return Err(format!(
+            "{flag}: {} does not start with {}",
+            redact(url),
+            schemes.join(" or ")
+        ));
+    }
+    Transport::from_url(url, "sagabox")
+        .and_then(|transport| transport.validate().map(|()| transport))
+        .map(Some)
+        .map_err(|error| format!("{flag}: {error}"))
 }

@@ -33,6 +33,7 @@
 pub(crate) mod broker;
 mod modes;
 mod options;
+pub(crate) mod saga;
 mod scale;
 
 pub(crate) use options::{BenchOptions, run_command};

@@ -2,14 +2,14 @@
 //! saga's timeline and data, the inbox's partitions against its TTL, the dead letters —
 //! served by axum as HTML rendered on the server (maud, which escapes every value it
 //! writes). Everything is read through the same library functions as the other
-//! commands ([`SagaStore`], [`sagabox::inspect`], [`DeadLetterQueue`]), and the actions
+//! commands ([`SagaStore`], [`sagabox::inspect`], [`DeadLetters`]), and the actions
 //! (retry, cancel, replay) call the same code as `sagabox saga` and `sagabox dlq`.
 //!
 //! Layout: [`security`] (the token and CSRF checks), [`pages`] (the frame every page
 //! shares and small formatting helpers), [`chart`] (the SVG charts), one module per page
 //! ([`overview`], [`sagas`], [`inbox`], [`dead`]) and [`actions`] (the POSTs).
 //!
-//! [`DeadLetterQueue`]: sagabox::amqp::DeadLetterQueue
+//! [`DeadLetters`]: sagabox::dlq::DeadLetters
 
 mod actions;
 mod chart;
@@ -28,10 +28,10 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use sagabox::InboxError;
-use sagabox::amqp::AmqpConfig;
 use sagabox::database::open_migrated;
 use sagabox::inspect::InspectOptions;
 use sagabox::store::AnyStore;
+use sagabox::transport::Transport;
 
 /// Database connections the console holds: a page runs its queries one after another,
 /// and a few operators at once is the expected load.
@@ -45,7 +45,7 @@ pub(crate) struct ConsoleConfig {
     /// The schema of sagabox's tables in it.
     pub(crate) schema: sagabox::Schema,
     /// The broker whose dead letters are shown; `None`: the page says how to add it.
-    pub(crate) amqp: Option<AmqpConfig>,
+    pub(crate) broker: Option<Transport>,
     /// The source queues whose dead letters are shown.
     pub(crate) dead_letter_queues: Vec<String>,
     /// Where to listen.
@@ -195,7 +195,7 @@ pub(crate) struct ConsoleArgs {
     #[arg(long, env = "SAGABOX_DB_SCHEMA", default_value = sagabox::Schema::DEFAULT_NAME)]
     pub(crate) db_schema: sagabox::Schema,
     /// The RabbitMQ broker whose dead letters to show (amqp://user:password@host:port/vhost);
-    /// without it the dead-letter page says how to add one.
+    /// without it or --nats-url the dead-letter page says how to add one.
     // The value from the environment stays out of `--help`: it may hold a password.
     #[arg(
         long,
@@ -204,7 +204,17 @@ pub(crate) struct ConsoleArgs {
         hide_env_values = true
     )]
     pub(crate) amqp_url: Option<String>,
-    /// Source queues whose dead letters (<queue>.dead) to show. Repeat or comma-separate.
+    /// A NATS JetStream server whose dead letters to show instead (nats://host:port).
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "SAGABOX_NATS_URL",
+        hide_env_values = true,
+        conflicts_with = "amqp_url"
+    )]
+    pub(crate) nats_url: Option<String>,
+    /// Source queues (or NATS subjects) whose dead letters (<queue>.dead) to show.
+    /// Repeat or comma-separate.
     #[arg(
         long = "dead-letter-queue",
         value_name = "NAME",
@@ -243,10 +253,9 @@ pub(crate) async fn run(
     if let Err(error) = security::check_listen(args.listen, args.token.as_deref()) {
         crate::usage_error("console", format_args!("--listen: {error}"));
     }
-    let amqp = args.amqp_url.map(AmqpConfig::new);
-    if let Some(Err(error)) = amqp.as_ref().map(AmqpConfig::validate) {
-        crate::usage_error("console", format_args!("--amqp-url: {error}"));
-    }
+    let broker =
+        sagabox_cli::args::dead_letter_broker(args.amqp_url.as_deref(), args.nats_url.as_deref())
+            .unwrap_or_else(|message| crate::usage_error("console", message));
     const DAY: u64 = 86_400;
     let inbox = sagabox::InboxConfig::default()
         .with_ttl(std::time::Duration::from_secs(
@@ -261,7 +270,7 @@ pub(crate) async fn run(
     let config = ConsoleConfig {
         database_url: args.database_url,
         schema: args.db_schema.clone(),
-        amqp,
+        broker,
         dead_letter_queues: args.dead_letter_queues,
         listen: args.listen,
         allow_actions: args.allow_actions,

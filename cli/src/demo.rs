@@ -71,6 +71,10 @@ pub(crate) struct DemoArgs {
     /// (with --transport; the same number as the participants' `serve --replicas`).
     #[arg(long, requires = "transport", value_parser = clap::value_parser!(u8).range(1..=5))]
     pub(crate) replicas: Option<u8>,
+    /// The RabbitMQ management API, where the queues' real retention is read (with
+    /// --transport; default: `http://BROKER-HOST:15672`).
+    #[arg(long, value_name = "URL", requires = "transport")]
+    pub(crate) amqp_management_url: Option<String>,
     /// Serve Prometheus metrics at HOST:PORT while the demo runs (e.g. 127.0.0.1:9464).
     #[arg(long, value_name = "HOST:PORT")]
     pub(crate) metrics_addr: Option<String>,
@@ -101,12 +105,14 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, ExitCode> {
         external_participants,
         max_deliveries,
         replicas,
+        amqp_management_url,
         metrics_addr,
         clock_speed,
     } = args;
     let config = sagabox_checkout::DemoConfig {
         orders,
         concurrency,
+        pace: None,
         duplicate_rate,
         lost_reply_rate,
         fail_rate,
@@ -121,6 +127,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, ExitCode> {
             external_participants,
             max_deliveries,
             replicas,
+            amqp_management_url,
         }),
         clock_speed,
         clock_start: None,

@@ -1,17 +1,20 @@
 //! `sagabox dlq list` and `sagabox dlq replay`: the library's
-//! [`DeadLetterQueue`](sagabox::amqp::DeadLetterQueue) on the command line.
+//! [`DeadLetters`](sagabox::dlq::DeadLetters) on the command line, for a RabbitMQ queue
+//! or a NATS JetStream subject.
 
 use std::process::ExitCode;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Subcommand};
-use sagabox::amqp::{AmqpConfig, DeadLetterQueue, DlqError, ReplayOptions};
 use sagabox::delivery::DeadReason;
+use sagabox::dlq::{DeadLetters, DlqError, ReplayOptions};
+use sagabox::transport::Transport;
 use sagabox_cli::args;
 
 use crate::{EXIT_STATUS, failed, report, usage_error};
 
-/// The broker `dlq` talks to when given no `--amqp-url`: RabbitMQ's own default.
+/// The broker `dlq` talks to when given neither `--amqp-url` nor `--nats-url`: RabbitMQ's
+/// own default.
 const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 /// Dead letters listed when no `--limit` is given: a screenful, and no more unacked
@@ -58,8 +61,8 @@ pub(crate) enum DlqCommand {
 /// Which queue, on which broker.
 #[derive(Debug, Args)]
 pub(crate) struct QueueArgs {
-    /// The source queue whose dead letters to read, such as sagabox.payment (its
-    /// dead-letter queue is sagabox.payment.dead, which is accepted too).
+    /// The source queue (RabbitMQ) or subject (NATS JetStream) whose dead letters to
+    /// read, such as sagabox.payment (sagabox.payment.dead is accepted too).
     #[arg(long, value_name = "NAME")]
     queue: String,
     /// The RabbitMQ broker: amqp://user:password@host:port/vhost
@@ -67,6 +70,14 @@ pub(crate) struct QueueArgs {
     #[arg(long, value_name = "URL", env = "SAGABOX_AMQP_URL", hide_env_values = true,
           default_value = DEFAULT_AMQP_URL)]
     amqp_url: String,
+    /// A NATS JetStream server instead: nats://host:port or tls://host:port.
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "SAGABOX_NATS_URL",
+        hide_env_values = true
+    )]
+    nats_url: Option<String>,
 }
 
 /// `--reason`: one of the codes of [`DeadReason::ALL`], which `--help` and the error for
@@ -77,24 +88,20 @@ fn reason_parser() -> impl TypedValueParser<Value = DeadReason> {
 }
 
 impl QueueArgs {
-    /// The broker configuration, or a usage error for a URL that is not AMQP.
-    fn config(&self) -> AmqpConfig {
-        let config = AmqpConfig::new(self.amqp_url.clone());
-        if let Err(error) = config.validate() {
-            usage_error("dlq", format_args!("--amqp-url: {error}"));
+    /// The broker, or a usage error for a URL that names another one or is malformed.
+    fn transport(&self) -> Transport {
+        match args::dead_letter_broker(Some(&self.amqp_url), self.nats_url.as_deref()) {
+            Ok(Some(transport)) => transport,
+            Ok(None) => usage_error("dlq", "give --amqp-url or --nats-url"),
+            Err(message) => usage_error("dlq", message),
         }
-        config
     }
 }
 
 /// Opens the dead-letter queue, ending a name that cannot be a queue as a usage error.
-async fn open(
-    subcommand: &str,
-    queue: &QueueArgs,
-    json: bool,
-) -> Result<DeadLetterQueue, ExitCode> {
-    let config = queue.config();
-    match DeadLetterQueue::open(&config, &queue.queue).await {
+async fn open(subcommand: &str, queue: &QueueArgs, json: bool) -> Result<DeadLetters, ExitCode> {
+    let transport = queue.transport();
+    match DeadLetters::open(&transport, &queue.queue).await {
         Ok(opened) => Ok(opened),
         Err(error @ DlqError::InvalidQueue { .. }) => {
             usage_error("dlq", format_args!("--queue: {error}"))

@@ -1,5 +1,5 @@
 //! The `sagabox` command line: `demo`, `serve`, `orchestrate`, `migrate`, `prune`,
-//! `inspect`, `saga`, `dlq`, `bench`, `bench-broker`, `console`. This file parses the
+//! `inspect`, `saga`, `dlq`, `bench`, `bench-broker`, `bench-saga`, `console`. This file parses the
 //! command line and hands each subcommand to its module, which holds its options and
 //! runs it; the helpers every subcommand reports through live here.
 //!
@@ -114,6 +114,12 @@ enum Command {
     /// Scratch queues or streams and a scratch schema, removed afterwards.
     #[command(name = "bench-broker")]
     BenchBroker(bench::broker::BrokerBenchArgs),
+    /// Measure whole checkout sagas on PostgreSQL — in process and over each --transport
+    /// — against the same saga written by hand in plain SQL, in one run: sagas/s, p50/p99
+    /// from start to end at full load and paced, commits, WAL and CPU per saga. Each run
+    /// on a scratch database of its own, dropped afterwards.
+    #[command(name = "bench-saga", allow_negative_numbers = true)]
+    BenchSaga(bench::saga::SagaBenchArgs),
     /// Read and replay a RabbitMQ dead-letter queue (<queue>.dead): `list` shows the dead
     /// letters without taking them, `replay` sends them back to their queue.
     #[command(subcommand)]
@@ -241,6 +247,7 @@ async fn main() -> ExitCode {
         Command::Inspect(args) => Some(("inspect", &args.database_url)),
         Command::Bench(args) => Some(("bench", &args.database_url)),
         Command::BenchBroker(args) => Some(("bench-broker", &args.database_url)),
+        Command::BenchSaga(args) => Some(("bench-saga", &args.database_url)),
         Command::Saga { command } => Some(("saga", command.database_url())),
         Command::Console(args) => Some(("console", &args.database_url)),
         // The broker only.
@@ -282,6 +289,23 @@ async fn main() -> ExitCode {
 /// runtime shuts down.
 const SETTLE: Duration = Duration::from_millis(200);
 
+/// Ends with a usage error unless `url` is PostgreSQL's: the `what` bench runs there only.
+/// Checked here rather than by clap, whose message would quote the URL unredacted.
+fn postgres_only(subcommand: &str, what: &str, url: &str) {
+    if !matches!(
+        sagabox::database::Backend::of(url),
+        Ok(sagabox::database::Backend::Postgres)
+    ) {
+        usage_error(
+            subcommand,
+            format_args!(
+                "--database-url {}: the {what} bench runs on PostgreSQL (postgres://…)",
+                redact(url)
+            ),
+        );
+    }
+}
+
 /// Runs one subcommand; `Err` carries the exit status of a failure already reported.
 async fn run(command: Command) -> Result<ExitCode, ExitCode> {
     match command {
@@ -293,24 +317,18 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
         Command::Prune(args) => prune::run(args).await,
         Command::Inspect(args) => inspect::run(args).await,
         Command::BenchBroker(args) => {
-            // Checked here rather than by clap, whose message would quote the URL unredacted.
-            if !matches!(
-                sagabox::database::Backend::of(&args.database_url),
-                Ok(sagabox::database::Backend::Postgres)
-            ) {
-                usage_error(
-                    "bench-broker",
-                    format_args!(
-                        "--database-url {}: the broker bench runs on PostgreSQL (postgres://…)",
-                        redact(&args.database_url)
-                    ),
-                );
-            }
+            postgres_only("bench-broker", "broker", &args.database_url);
             let json = args.json;
             report("bench-broker", bench::broker::run(args).await, json)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench(args) => bench::run_command(args).await,
+        Command::BenchSaga(args) => {
+            postgres_only("bench-saga", "saga", &args.database_url);
+            let json = args.json;
+            report("bench-saga", bench::saga::run(args).await, json)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Saga { command } => {
             let json = command.json();
             report("saga", saga::run(command).await, json)?;

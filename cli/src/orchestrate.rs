@@ -34,10 +34,10 @@ struct Drive<F> {
     shutdown: F,
 }
 
-impl<F: Future<Output = ()> + Send> OnStore for Drive<F> {
+impl<S: Store, F: Future<Output = ()> + Send> OnStore<S> for Drive<F> {
     type Output = Result<(), OrchestrateError>;
 
-    async fn run<S: Store>(self, store: S) -> Self::Output {
+    async fn run(self, store: S) -> Self::Output {
         orchestrate(store, self.config, self.shutdown).await
     }
 }
@@ -49,7 +49,7 @@ pub(crate) struct OrchestrateArgs {
     #[arg(long = "saga", value_name = "FILE", required = true)]
     pub(crate) sagas: Vec<std::path::PathBuf>,
     /// The broker: amqp://user@host:port/vhost or amqps://… (RabbitMQ), nats://host:port
-    /// or tls://… (NATS JetStream).
+    /// or tls://… (NATS JetStream); for a cluster, every node's URL, comma-separated.
     #[arg(long, value_name = "URL")]
     pub(crate) transport: String,
     /// postgres://user@host:port/db or sqlite:path/to/file.db

@@ -16,7 +16,8 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_delimiter = ',', required = true)]
     pub(crate) role: Vec<Role>,
     /// The broker (the same flag as demo's): amqp://user@host:port/vhost or amqps://…
-    /// (RabbitMQ), nats://host:port or tls://… (NATS JetStream).
+    /// (RabbitMQ), nats://host:port or tls://… (NATS JetStream); for a cluster, every
+    /// node's URL, comma-separated.
     #[arg(long, value_name = "URL")]
     pub(crate) transport: String,
     /// postgres://user@host:port/db or sqlite:path/to/file.db

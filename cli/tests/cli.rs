@@ -362,9 +362,7 @@ async fn serve_declares_its_queue_with_the_delivery_limit_it_was_given() {
     let declare = async |max_redeliveries: u32| {
         let mut config = rabbit.config.clone();
         config.max_redeliveries = max_redeliveries;
-        // A refused declare closes its channel: one of its own each time.
-        let channel = rabbit.connection.create_channel().await.unwrap();
-        sagabox::amqp::declare(&channel, &config, &payment).await
+        sagabox::amqp::declare(&rabbit.connection, &config, &payment).await
     };
     declare(common::rabbit::MAX_DELIVERIES)
         .await
@@ -430,6 +428,14 @@ async fn bench_broker_on(transport: &str) {
     );
 }
 
+/// The names of the streams on the JetStream server at `url`.
+async fn stream_names(url: &str) -> Vec<String> {
+    let client = async_nats::connect(url).await.expect("NATS answers");
+    futures_lite::StreamExt::try_collect(async_nats::jetstream::new(client).stream_names())
+        .await
+        .expect("list streams")
+}
+
 /// `bench-broker` over RabbitMQ: see [`bench_broker_on`].
 #[tokio::test]
 async fn bench_broker_over_rabbitmq_applies_every_message_once_in_every_mode() {
@@ -443,14 +449,87 @@ async fn bench_broker_over_rabbitmq_applies_every_message_once_in_every_mode() {
 async fn bench_broker_over_jetstream_applies_every_message_once_and_deletes_its_streams() {
     let url = jetstream::nats_url();
     bench_broker_on(&url).await;
-    let client = async_nats::connect(&url).await.expect("NATS answers");
-    let names: Vec<String> =
-        futures_lite::StreamExt::try_collect(async_nats::jetstream::new(client).stream_names())
-            .await
-            .expect("list streams");
+    let names = stream_names(&url).await;
     assert!(
         !names.iter().any(|name| name.starts_with("sagabox-bench-")),
         "the bench's streams are deleted: {names:?}"
+    );
+}
+
+/// `bench-saga` on a small scale, in process and over both brokers: every mode runs
+/// every saga to its end at full load and paced, the hand-written floor commits its
+/// seven transactions per saga (one start, a participant's and the orchestrator's per
+/// step, a compensated saga as many) plus the run's set-up (a few per connection opened,
+/// at most 30 here), sagabox's saga
+/// commits more, each mode has its ratio to the floor, and no scratch database, queue or
+/// stream is left.
+#[tokio::test]
+async fn bench_saga_measures_every_mode_against_the_floor_and_leaves_nothing_behind() {
+    let db = common::Pg::new().await;
+    let (amqp, nats) = (common::rabbit::amqp_url(), jetstream::nats_url());
+    let out = stdout(&sagabox(&[
+        "bench-saga",
+        "--database-url",
+        &db.url,
+        "--orders",
+        "60",
+        "--concurrency",
+        "8",
+        "--paced-orders",
+        "20",
+        "--paced-rate",
+        "100",
+        "--transport",
+        &amqp,
+        "--transport",
+        &nats,
+        "--json",
+    ]));
+    let report: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    let runs = report["runs"].as_array().expect("runs");
+    let rows: Vec<(&str, &str)> = runs
+        .iter()
+        .map(|run| (run["mode"].as_str().unwrap(), run["load"].as_str().unwrap()))
+        .collect();
+    let modes = ["floor", "in-process", "rabbitmq", "nats"];
+    let expected: Vec<(&str, &str)> = ["full", "paced 100/s"]
+        .into_iter()
+        .flat_map(|load| modes.map(|mode| (mode, load)))
+        .collect();
+    assert_eq!(rows, expected, "{report}");
+    for run in runs {
+        let sagas = if run["load"] == "full" { 60 } else { 20 };
+        assert_eq!(run["sagas"], sagas, "every saga finished: {run}");
+        let commits = run["commits_per_saga"].as_f64().unwrap();
+        if run["mode"] == "floor" {
+            assert!(run["ratio_to_floor"].is_null(), "{run}");
+            assert!(
+                (7.0..=7.0 + 30.0 / f64::from(sagas)).contains(&commits),
+                "the floor commits seven times per saga: {run}"
+            );
+        } else {
+            assert!(run["ratio_to_floor"].as_f64().unwrap() > 0.0, "{run}");
+            assert!(commits > 7.0, "sagabox commits more than the floor: {run}");
+        }
+        assert!(run["wal_bytes_per_saga"].as_f64().unwrap() > 0.0, "{run}");
+        let (p50, p99) = (
+            run["p50_ms"].as_f64().unwrap(),
+            run["p99_ms"].as_f64().unwrap(),
+        );
+        assert!(p50 > 0.0 && p99 >= p50, "{run}");
+    }
+    assert_eq!(
+        db.scalar("SELECT COUNT(*) FROM pg_database WHERE datname LIKE 'sagabox_bench_saga_%'")
+            .await,
+        0,
+        "the scratch databases are dropped"
+    );
+    let streams = stream_names(&nats).await;
+    assert!(
+        !streams
+            .iter()
+            .any(|name| name.starts_with("sagabox-bench-saga")),
+        "the bench's streams are deleted: {streams:?}"
     );
 }
 
@@ -576,6 +655,11 @@ fn usage_errors_exit_with_status_2() {
         (
             &["bench-broker", "--transport", amqp],
             "the broker bench runs on PostgreSQL",
+        ),
+        (&["bench-saga"], "the saga bench runs on PostgreSQL"),
+        (
+            &["bench-saga", "--paced-rate", "-1"],
+            "is not a rate: give sagas per second from 0",
         ),
         (
             &[

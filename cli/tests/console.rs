@@ -4,10 +4,11 @@
 //! RabbitMQ queue are listed and replayed; actions are refused without
 //! `--allow-actions`, without the form's CSRF token, and off loopback without the token;
 //! and a real browser (Debian's chromium, headless, through chromedriver) loads the
-//! overview, clicks from the list to a saga, and takes screenshots that are not blank.
+//! overview, clicks from the list to a saga and to the dead letters, replays them with
+//! the page's button, and takes screenshots that are not blank.
 //!
 //! Set `SAGABOX_CONSOLE_SCREENSHOTS=docs/img` to write the screenshots there (the ones in
-//! docs/operations.md); otherwise they go to the test's scratch folder.
+//! docs/console.md); otherwise they go to the test's scratch folder.
 
 #![allow(clippy::unwrap_used)]
 
@@ -577,13 +578,11 @@ async fn actions_need_the_flag_the_csrf_token_and_off_loopback_the_token() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dead_letters_are_listed_escaped_and_replayed() {
-    let fx = common::Pg::new().await;
-    let rabbit = Rabbit::new(&["payment"]).await;
+/// Dead letters of `payment` with these ids and details, `rejected`, published now.
+async fn dead_letters(rabbit: &Rabbit, letters: &[(&str, &str)]) {
     rabbit.declare("payment").await;
-    for (id, detail) in [("m-1", "card expired"), ("m-2", "<b>bold</b> detail")] {
-        let envelope = Envelope::new(MessageId::new(id).unwrap(), "charge", json!({}))
+    for (id, detail) in letters {
+        let envelope = Envelope::new(MessageId::new(*id).unwrap(), "charge", json!({}))
             .unwrap()
             .with_published_at(Utc::now());
         let (body, properties) = codec::encode(&envelope);
@@ -591,13 +590,24 @@ async fn dead_letters_are_listed_escaped_and_replayed() {
             properties,
             [
                 (DEAD_REASON_HEADER, AMQPValue::LongString("rejected".into())),
-                (DEAD_DETAIL_HEADER, AMQPValue::LongString(detail.into())),
+                (DEAD_DETAIL_HEADER, AMQPValue::LongString((*detail).into())),
             ],
         );
         rabbit
             .publish_raw(&rabbit.dead_queue("payment"), &body, properties)
             .await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_escaped_and_replayed() {
+    let fx = common::Pg::new().await;
+    let rabbit = Rabbit::new(&["payment"]).await;
+    dead_letters(
+        &rabbit,
+        &[("m-1", "card expired"), ("m-2", "<b>bold</b> detail")],
+    )
+    .await;
     let queue = rabbit.queue("payment");
     let amqp = common::rabbit::amqp_url();
     let console = Console::start(
@@ -698,7 +708,20 @@ async fn a_real_browser_loads_the_pages_and_clicks_through_to_a_saga() {
         );
     }
     let fx = demo_database("120").await;
-    let console = Console::start(&fx.url, &["--allow-actions"]);
+    let rabbit = Rabbit::new(&["payment"]).await;
+    dead_letters(&rabbit, &[("m-1", "card expired")]).await;
+    let queue = rabbit.queue("payment");
+    let amqp = common::rabbit::amqp_url();
+    let console = Console::start(
+        &fx.url,
+        &[
+            "--allow-actions",
+            "--amqp-url",
+            &amqp,
+            "--dead-letter-queue",
+            &queue,
+        ],
+    );
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -797,12 +820,61 @@ async fn a_real_browser_loads_the_pages_and_clicks_through_to_a_saga() {
         assert!(data.contains("<script>alert('data')</script>"), "{data}");
         let alerts = browser.get_alert_text().await;
         assert!(alerts.is_err(), "no alert opened: {alerts:?}");
+
+        // The dead letters, from the menu; "Replay all" sends them back to their queue
+        // and the page, shown again, has none left.
+        browser.goto(&console.url("/")).await?;
+        browser
+            .find(Locator::LinkText("Dead letters"))
+            .await?
+            .click()
+            .await?;
+        let row = browser
+            .find(Locator::Css("section.queue tbody tr"))
+            .await?
+            .text()
+            .await?;
+        assert!(row.contains("m-1") && row.contains("card expired"), "{row}");
+        let shot = browser.screenshot().await?;
+        assert_not_blank(&shot, "dead letters");
+        std::fs::write(shots.join("console-dead.png"), &shot).unwrap();
+        browser
+            .find(Locator::Css("form.action button"))
+            .await?
+            .click()
+            .await?;
+        // The click posts the form and the page is replaced: until the new one is there,
+        // a read may find the old page's count, or an element gone with it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let total = loop {
+            let read = async {
+                browser
+                    .find(Locator::Css("section.queue span.total"))
+                    .await?
+                    .text()
+                    .await
+            }
+            .await;
+            match read {
+                Ok(total) if total == "0" || std::time::Instant::now() > deadline => break total,
+                Err(error) if std::time::Instant::now() > deadline => return Err(error),
+                _ => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        };
+        assert_eq!(total, "0", "nothing left after the replay");
+        assert!(browser.current_url().await?.path().ends_with("/dead"));
         Ok::<_, fantoccini::error::CmdError>(())
     }
     .await;
     let _ = browser.close().await;
     let _ = std::fs::remove_dir_all(&profile);
     result.unwrap();
+    assert_eq!(
+        rabbit.ready(&queue).await,
+        1,
+        "replayed to the source queue"
+    );
+    assert_eq!(rabbit.ready(&rabbit.dead_queue("payment")).await, 0);
 }
 
 /// A fresh, empty folder for the browser's profile.

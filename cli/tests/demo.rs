@@ -40,13 +40,13 @@ macro_rules! demo_suite {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn thousands_of_orders_under_faults_keep_every_invariant() {
+            async fn a_thousand_orders_under_faults_keep_every_invariant() {
                 let fx = <$fixture>::new().await;
-                let summary = run(&fx.url, &faulty(2000)).await.unwrap();
-                assert_eq!(summary.orders, 2000);
+                let summary = run(&fx.url, &faulty(1000)).await.unwrap();
+                assert_eq!(summary.orders, 1000);
                 assert_eq!(summary.unfinished, 0);
-                assert_eq!(summary.completed + summary.compensated, 2000);
-                assert!(summary.compensated > 100, "declines and stock-outs compensate: {summary:?}");
+                assert_eq!(summary.completed + summary.compensated, 1000);
+                assert!(summary.compensated > 50, "declines and stock-outs compensate: {summary:?}");
                 assert_eq!(summary.damage(), 0, "{summary:?}");
                 assert!(summary.retries > 0 && summary.duplicate_replies > 0, "{summary:?}");
                 assert_invariants(&fx).await;
@@ -127,7 +127,7 @@ macro_rules! demo_suite {
                 let fx = <$fixture>::new().await;
                 let mut demo = Command::new(env!("CARGO_BIN_EXE_sagabox"))
                     .args([
-                        "demo", "--database-url", &fx.url, "--orders", "3000", "--concurrency", "32",
+                        "demo", "--database-url", &fx.url, "--orders", "1000", "--concurrency", "32",
                         "--duplicate-rate", "0.5", "--lost-reply-rate", "0.1", "--fail-rate", "0.1",
                         "--decline-rate", "0.05", "--seed", "9", "--json",
                     ])
@@ -137,7 +137,7 @@ macro_rules! demo_suite {
                     .spawn()
                     .unwrap();
                 // The kill waits for an amount of work, never for a span of time: 300 of
-                // the 3,000 sagas finished, whatever the build's speed.
+                // the 1,000 sagas finished, whatever the build's speed.
                 let deadline = Instant::now() + Duration::from_secs(120);
                 loop {
                     let done = sqlx::query_scalar::<_, i64>(
@@ -156,7 +156,7 @@ macro_rules! demo_suite {
                 assert!(common::chaos::kill(&mut demo), "the demo had ended before the kill");
                 let placed = fx.scalar("SELECT COUNT(*) FROM demo_orders").await;
                 let unfinished = fx.scalar("SELECT COUNT(*) FROM sagabox_saga_instances WHERE status NOT IN ('completed', 'compensated')").await;
-                assert!(placed < 3000 || unfinished > 0, "killed part-way: {placed} placed, {unfinished} unfinished");
+                assert!(placed < 1000 || unfinished > 0, "killed part-way: {placed} placed, {unfinished} unfinished");
 
                 let resumed = Command::new(env!("CARGO_BIN_EXE_sagabox"))
                     .args(["demo", "--database-url", &fx.url, "--resume", "--json", "--seed", "10"])

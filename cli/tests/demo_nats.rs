@@ -34,18 +34,6 @@ fn faulty(orders: usize, transport: DemoTransport) -> DemoConfig {
     }
 }
 
-fn check_alive(participants: &mut [Child]) {
-    for child in participants.iter_mut() {
-        if let Some(status) = child.try_wait().unwrap() {
-            let mut stderr = String::new();
-            if let Some(mut pipe) = child.stderr.take() {
-                std::io::Read::read_to_string(&mut pipe, &mut stderr).unwrap();
-            }
-            panic!("a participant exited ({status}): {stderr}");
-        }
-    }
-}
-
 /// `sagabox serve --role role` over `js`'s server and prefix, failing 10 % of handler
 /// runs (seeded).
 fn serve(js: &Js, role: &str, database_url: &str, seed: u64) -> Child {
@@ -161,7 +149,7 @@ async fn participants_in_separate_processes_survive_a_server_restart() {
     const PART_WAY: i64 = 150;
     let started = Instant::now();
     while fx.scalar(FINISHED).await < PART_WAY {
-        check_alive(&mut participants[..]);
+        common::cluster_run::check_alive(&mut participants[..], "");
         assert!(!demo.is_finished(), "the run ended early: {:?}", demo.await);
         assert!(started.elapsed() < common::chaos::STALL, "no progress");
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -183,7 +171,7 @@ async fn participants_in_separate_processes_survive_a_server_restart() {
         .await
         == 0
     {
-        check_alive(&mut participants[..]);
+        common::cluster_run::check_alive(&mut participants[..], "");
         assert!(
             Instant::now() < deadline,
             "no email insert ever waited on the lock"
@@ -200,7 +188,7 @@ async fn participants_in_separate_processes_survive_a_server_restart() {
     hold.rollback().await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(600);
     while !demo.is_finished() {
-        check_alive(&mut participants[..]);
+        common::cluster_run::check_alive(&mut participants[..], "");
         assert!(
             Instant::now() < deadline,
             "the run did not finish within 10 minutes of the restart ({} sagas finished)",
@@ -214,7 +202,7 @@ async fn participants_in_separate_processes_survive_a_server_restart() {
     // message after ack_wait (30 s by default) and the inbox answers it as a duplicate.
     // The participants run until every stream is empty.
     js.wait_drained(&ROLES, Duration::from_secs(120), "", || {
-        check_alive(&mut participants[..]);
+        common::cluster_run::check_alive(&mut participants[..], "");
     })
     .await;
     for child in participants.iter() {

@@ -2,12 +2,16 @@
 //! RabbitMQ (and PostgreSQL behind `sagabox serve`): a listing changes nothing; a replay
 //! takes the reason and the limit asked and reports what it did; an unknown queue, an
 //! unreachable broker and bad arguments say so, exit 1 or 2, and change nothing; a
-//! replay of an applied message, and of a replayed one, charges once.
+//! replay of an applied message, and of a replayed one, charges once. The same
+//! commands read and replay a JetStream dead-letter stream with `--nats-url`.
 
 #![allow(clippy::unwrap_used)]
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
+#[path = "../../tests/common/jetstream.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod jetstream;
 
 use common::sagabox_command as command;
 
@@ -17,8 +21,9 @@ use std::time::{Duration, Instant};
 use common::rabbit::Rabbit;
 use lapin::BasicProperties;
 use lapin::types::AMQPValue;
-use sagabox::amqp::{REPLAYED_HEADER, codec};
+use sagabox::amqp::codec;
 use sagabox::delivery::{DEAD_DETAIL_HEADER, DEAD_REASON_HEADER};
+use sagabox::dlq::REPLAYED_HEADER;
 use sagabox::{Envelope, MessageId};
 use serde_json::{Value, json};
 
@@ -435,4 +440,81 @@ async fn replaying_an_applied_charge_and_a_replayed_one_charges_once() {
     assert_eq!(db.inbox_rows().await, 1);
     assert_eq!(rabbit.ready(&dead).await, 0);
     assert_eq!(rabbit.ready(&source).await, 0);
+}
+
+#[tokio::test]
+async fn over_jetstream_a_listing_takes_nothing_and_a_replay_moves_the_reason_asked() {
+    let js = jetstream::Js::new(&["payment"]).await;
+    js.declare("payment").await;
+    let subject = js.subject("payment");
+    let dead_subject = format!("{subject}.dead");
+    for (id, reason) in [("m-1", "rejected"), ("m-2", "unknown_kind")] {
+        let envelope = Envelope::new(MessageId::new(id).unwrap(), "charge", json!({})).unwrap();
+        let (body, mut headers) = sagabox::nats::codec::encode(&envelope);
+        headers.insert(DEAD_REASON_HEADER, reason);
+        headers.insert(DEAD_DETAIL_HEADER, "from the test");
+        js.publish_raw(&dead_subject, headers, body).await;
+    }
+    let url = js.config.url.clone();
+    let run = |args: &[&str]| {
+        let mut all = vec!["dlq"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--queue", &subject, "--nats-url", &url, "--json"]);
+        command(&all).output().expect("run sagabox")
+    };
+    let listed = json(&run(&["list"]));
+    assert_eq!(listed["total"], 2, "{listed}");
+    assert_eq!(listed["queue"], dead_subject.as_str());
+    let ids: Vec<&str> = listed["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["message_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["m-1", "m-2"]);
+    assert_eq!(js.dead("payment").await, 2, "a listing takes nothing");
+
+    let replayed = json(&run(&["replay", "--reason", "rejected"]));
+    assert_eq!(
+        (replayed["replayed"].as_u64(), replayed["left"].as_u64()),
+        (Some(1), Some(1)),
+        "{replayed}"
+    );
+    assert_eq!(
+        js.pending("payment").await,
+        1,
+        "the copy is in the work stream"
+    );
+    assert_eq!(js.dead("payment").await, 1);
+
+    // A subject without streams: exit 1, nothing changed; a URL of another broker: exit 2.
+    let output = command(&[
+        "dlq",
+        "list",
+        "--queue",
+        "nowhere.payment",
+        "--nats-url",
+        &url,
+    ])
+    .output()
+    .unwrap();
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(text.contains("does not exist on NATS JetStream"), "{text}");
+    let output = command(&[
+        "dlq",
+        "list",
+        "--queue",
+        &subject,
+        "--nats-url",
+        "amqp://guest:hunter2@127.0.0.1:5672/%2f",
+    ])
+    .output()
+    .unwrap();
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("--nats-url") && !text.contains("hunter2"),
+        "{text}"
+    );
 }

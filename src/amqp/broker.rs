@@ -1,5 +1,7 @@
 //! Connecting, declaring the queues, and publishing with confirms.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
@@ -13,9 +15,39 @@ use crate::envelope::{ConsumerType, Envelope};
 use crate::logging::redact;
 use crate::tls::TlsFiles;
 
+/// Where the next connection starts in a cluster's URL list: one node further along for
+/// each connection the process opens.
+static NEXT_NODE: AtomicUsize = AtomicUsize::new(0);
+
 /// Opens a connection to the broker in `config`, named `<prefix>/<role>` in the broker's
-/// connection list (`rabbitmqctl list_connections user_provided_name`).
+/// connection list (`rabbitmqctl list_connections user_provided_name`). For a cluster's
+/// URL list, the nodes are tried in turn from the one after the last connection's start,
+/// until one accepts ([`AmqpError::NoNodeAnswered`] when none does).
 pub async fn connect(config: &AmqpConfig, role: &str) -> Result<Connection, AmqpError> {
+    let nodes = config.nodes();
+    if let [node] = nodes.as_slice() {
+        return connect_node(node, role).await;
+    }
+    let start = NEXT_NODE.fetch_add(1, Ordering::Relaxed);
+    let mut last = None;
+    for turn in 0..nodes.len() {
+        let node = &nodes[(start + turn) % nodes.len()];
+        match connect_node(node, role).await {
+            Ok(connection) => return Ok(connection),
+            Err(error) => {
+                tracing::warn!(node = %node.server(), %error, "trying the next RabbitMQ node");
+                last = Some(error);
+            }
+        }
+    }
+    Err(AmqpError::NoNodeAnswered {
+        nodes: nodes.len(),
+        last: Box::new(last.unwrap_or_else(|| AmqpError::Config("no node in the URL list".into()))),
+    })
+}
+
+/// [`connect`] to one node.
+async fn connect_node(config: &AmqpConfig, role: &str) -> Result<Connection, AmqpError> {
     let properties = ConnectionProperties::default()
         .with_connection_name(format!("{}/{role}", config.queue_prefix).into());
     let tls = config.load_tls()?;
@@ -91,35 +123,31 @@ async fn probe(config: &AmqpConfig) -> Result<(), AmqpError> {
         })
 }
 
-/// Declares `consumer_type`'s queue and its dead-letter queue, both durable. The main
-/// queue dead-letters into the dead queue, so a message rejected without requeue by any
-/// client, one past its `x-message-ttl`, or (quorum) one past its delivery limit lands
-/// there too.
+/// Declares `consumer_type`'s queue and its dead-letter queue, both durable, on
+/// channels of their own over `connection`. The main queue dead-letters into the dead
+/// queue, so a message rejected without requeue by any client, one past its
+/// `x-message-ttl`, or (quorum) one past its delivery limit lands there too.
 ///
 /// The main queue is a [`QueueType`] queue with `x-message-ttl` set to
 /// [`AmqpConfig::message_ttl`]; a quorum queue also gets `x-delivery-limit` (a message
 /// is delivered at most [`AmqpConfig::max_redeliveries`] times) and at-least-once
 /// dead-lettering, so a letter the broker moves is not dropped on the way. The dead queue
-/// is a classic queue without a TTL whatever the main queue is: a dead letter waits for an
-/// operator (`sagabox dlq`) however long that takes, and a dead queue declared by an older
-/// sagabox keeps its letters when its main queue moves to quorum.
+/// has no TTL: a dead letter waits for an operator (`sagabox dlq`) however long that
+/// takes. Beside a quorum queue it is a quorum queue too, replicated like it, so that
+/// losing one node of a cluster neither loses dead letters nor stops the consumers (a
+/// classic queue whose node is down cannot even be declared). A classic dead queue that
+/// exists (declared by an older sagabox) is kept as it is, letters and all.
 ///
 /// A queue that exists with other arguments is [`AmqpError::QueueMismatch`], with the fix.
 pub async fn declare(
-    channel: &Channel,
+    connection: &Connection,
     config: &AmqpConfig,
     consumer_type: &ConsumerType,
 ) -> Result<String, AmqpError> {
     let queue = config.queue(consumer_type);
     let dead = config.dead_queue(consumer_type);
-    channel
-        .queue_declare(
-            dead.as_str().into(),
-            QueueDeclareOptions::durable(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(AmqpError::broker("declare the dead-letter queue"))?;
+    declare_dead(connection, config, &dead).await?;
+    let channel = declaring_channel(connection).await?;
     channel
         .queue_declare(
             queue.as_str().into(),
@@ -142,7 +170,86 @@ pub async fn declare(
                 source,
             },
         })?;
+    close(channel).await;
     Ok(queue)
+}
+
+/// Declares the dead-letter queue `dead`: a quorum queue beside a quorum queue, unless
+/// a classic one exists already; a classic queue beside a classic one.
+async fn declare_dead(
+    connection: &Connection,
+    config: &AmqpConfig,
+    dead: &str,
+) -> Result<(), AmqpError> {
+    let failed = AmqpError::broker("declare the dead-letter queue");
+    if config.queue_type == QueueType::Quorum {
+        let channel = declaring_channel(connection).await?;
+        match channel
+            .queue_declare(
+                dead.into(),
+                QueueDeclareOptions::durable(),
+                dead_queue_arguments(config),
+            )
+            .await
+        {
+            Ok(_) => {
+                close(channel).await;
+                return Ok(());
+            }
+            // A classic dead queue, declared by an older sagabox: kept (the refusal
+            // closed the channel, so it is declared again on a new one).
+            Err(error) if precondition_failed(&error).is_some() => {}
+            Err(error) => return Err(failed(error)),
+        }
+    }
+    let channel = declaring_channel(connection).await?;
+    channel
+        .queue_declare(
+            dead.into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(failed)?;
+    close(channel).await;
+    Ok(())
+}
+
+/// A channel for declaring queues: a declare the broker refuses closes its channel, so
+/// declares do not share one with a consumer or a publisher.
+async fn declaring_channel(connection: &Connection) -> Result<Channel, AmqpError> {
+    connection
+        .create_channel()
+        .await
+        .map_err(AmqpError::broker("open a channel to declare queues"))
+}
+
+/// Closes a declaring channel; a failure leaves it to the connection's end.
+async fn close(channel: Channel) {
+    let _ = channel.close(200, "declared".into()).await;
+}
+
+/// The arguments of a quorum dead-letter queue: replicated like its main queue, and
+/// with a delivery limit no operator reaches, since `sagabox dlq` gives back (nacks with
+/// requeue) the letters it shows, and a quorum queue counts those returns (RabbitMQ 4
+/// drops a letter past a default limit of 20).
+fn dead_queue_arguments(config: &AmqpConfig) -> FieldTable {
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    arguments.insert(
+        "x-delivery-limit".into(),
+        AMQPValue::LongLongInt(i64::from(i32::MAX)),
+    );
+    if let Some(replicas) = config.replicas {
+        arguments.insert(
+            "x-quorum-initial-group-size".into(),
+            AMQPValue::LongLongInt(i64::from(replicas)),
+        );
+    }
+    arguments
 }
 
 /// The arguments of a consumer type's main queue, dead-lettering into `dead`.

@@ -64,6 +64,13 @@ pub struct AmqpConfig {
     /// RabbitMQ's URI specification does, a CA file to trust beside the system's roots
     /// (`cacertfile=/path/ca.pem`) and a client certificate (`certfile=…&keyfile=…`), all
     /// PEM; see [`TlsFiles`](crate::tls::TlsFiles).
+    ///
+    /// For a cluster, the URLs of its nodes separated by commas, each whole
+    /// (`amqp://u:p@node1:5672/%2f,amqp://u:p@node2:5672/%2f`), all `amqp://` or all
+    /// `amqps://` (a comma inside a password is written `%2C`). Each new connection tries
+    /// them in turn, starting one node further along the list than the connection before,
+    /// so connections spread over the nodes and a reconnection after a node is lost starts
+    /// at another one.
     pub url: String,
     /// Queues are named `<prefix>.<consumer_type>` and `<prefix>.<consumer_type>.dead`.
     /// Defaults to `sagabox`; a test or a second environment on one broker uses its own.
@@ -155,14 +162,35 @@ impl AmqpConfig {
         self.retention_check = Some(inbox.clone());
     }
 
+    /// The configuration of each node of a cluster's URL list (`url` split at its commas),
+    /// or of the one node. Each node's URL is a whole URL of its own.
+    pub(crate) fn nodes(&self) -> Vec<AmqpConfig> {
+        let urls: Vec<&str> = self
+            .url
+            .split(',')
+            .map(str::trim)
+            .filter(|url| !url.is_empty())
+            .collect();
+        if urls.len() <= 1 {
+            return vec![self.clone()];
+        }
+        urls.into_iter()
+            .map(|url| AmqpConfig {
+                url: url.to_owned(),
+                ..self.clone()
+            })
+            .collect()
+    }
+
     /// The management API's base URL: the configured one, or the AMQP URL's host on port
-    /// 15672 (`http://`), or 15671 (`https://`) for an `amqps://` URL.
+    /// 15672 (`http://`), or 15671 (`https://`) for an `amqps://` URL (the first node's,
+    /// for a list; the API of any node of a cluster answers for all of it).
     pub fn management_base(&self) -> String {
         if let Some(url) = &self.management_url {
             return url.trim_end_matches('/').to_owned();
         }
-        let host = self
-            .url
+        let first = self.url.split(',').next().unwrap_or_default().trim();
+        let host = first
             .parse::<lapin::uri::AMQPUri>()
             .map(|uri| uri.authority.host)
             .unwrap_or_else(|_| "127.0.0.1".to_owned());
@@ -204,13 +232,8 @@ impl AmqpConfig {
         self
     }
 
-    /// Checks every field; the error says which and what to do.
-    pub fn validate(&self) -> Result<(), AmqpError> {
-        if self.replicas == Some(0) {
-            return Err(AmqpError::Config(
-                "replicas is 0: a quorum queue lives on at least 1 node".into(),
-            ));
-        }
+    /// Checks one node's URL: its scheme, and its TLS files.
+    fn validate_url(&self) -> Result<(), AmqpError> {
         if !(self.url.starts_with("amqp://") || self.url.starts_with("amqps://")) {
             return Err(AmqpError::Config(format!(
                 "the broker URL {} is not amqp://user:password@host:port/vhost",
@@ -226,6 +249,26 @@ impl AmqpConfig {
             )));
         }
         self.load_tls()?;
+        Ok(())
+    }
+
+    /// Checks every field; the error says which and what to do.
+    pub fn validate(&self) -> Result<(), AmqpError> {
+        if self.replicas == Some(0) {
+            return Err(AmqpError::Config(
+                "replicas is 0: a quorum queue lives on at least 1 node".into(),
+            ));
+        }
+        let nodes = self.nodes();
+        if nodes.len() > 1 && nodes.iter().any(|node| node.is_tls() != self.is_tls()) {
+            return Err(AmqpError::Config(format!(
+                "the broker URL list {} mixes amqp:// and amqps://: give every node the same",
+                redact(&self.url)
+            )));
+        }
+        for node in &nodes {
+            node.validate_url()?;
+        }
         validate_key("queue prefix", &self.queue_prefix)
             .map_err(|error| AmqpError::Config(error.to_string()))?;
         if self.queue_prefix.len() > 200 {
@@ -343,6 +386,14 @@ pub enum AmqpError {
         /// The cause.
         source: lapin::Error,
     },
+    /// None of the nodes of a cluster's URL list could be connected to.
+    #[error("none of the {nodes} RabbitMQ nodes of the URL list answered; the last: {last}")]
+    NoNodeAnswered {
+        /// How many nodes were tried.
+        nodes: usize,
+        /// Why the last one tried could not be connected to.
+        last: Box<AmqpError>,
+    },
     /// Nothing accepted a TCP connection at the broker's host and port.
     #[error(
         "cannot connect to RabbitMQ at {url}: {source}; is it running and are the host and port right?"
@@ -381,6 +432,16 @@ pub enum AmqpError {
         /// The cause.
         source: lapin::Error,
     },
+    /// The broker did not answer an operation in time (a node that accepts connections
+    /// but does not serve them, a confirm that never comes); the connection is dropped
+    /// and the operation is tried again on a new one.
+    #[error("RabbitMQ did not answer within {after:?} to {operation}")]
+    NoAnswer {
+        /// What was being done.
+        operation: &'static str,
+        /// How long it waited.
+        after: Duration,
+    },
     /// The broker refused to take a published message (a negative confirm).
     #[error("RabbitMQ did not confirm the message published to {queue}")]
     NotConfirmed {
@@ -395,7 +456,7 @@ pub enum AmqpError {
          {ttl}): RabbitMQ said \"{detail}\"; declare it as it is (--queue-type classic for a \
          classic queue, --broker-retention-days matching its x-message-ttl, --no-queue-ttl for \
          one without), or move it: see \"Moving a classic queue to quorum\" in \
-         docs/operations.md"
+         docs/configuration.md"
     )]
     QueueMismatch {
         /// The queue.

@@ -98,7 +98,7 @@ impl Consumer {
             .create_channel()
             .await
             .map_err(AmqpError::broker("open a channel"))?;
-        let queue = declare_source(&channel, &config, &options).await?;
+        let queue = declare_source(&first, &channel, &config, &options).await?;
         let _ = channel.close(200, "declared".into()).await;
         // A private queue lives only as long as its connection: nothing to check.
         if let (None, Some(inbox)) = (&options.private_queue, &config.retention_check)
@@ -150,7 +150,13 @@ impl Source for QueueSource {
             None => broker::connect(&self.config, &connection_role(&self.options)).await?,
         };
         let publisher = Publisher::open(&connection).await?;
-        let queue = declare_source(publisher.channel(), &self.config, &self.options).await?;
+        let queue = declare_source(
+            &connection,
+            publisher.channel(),
+            &self.config,
+            &self.options,
+        )
+        .await?;
         let channel = connection
             .create_channel()
             .await
@@ -261,12 +267,13 @@ fn connection_role(options: &ConsumerOptions) -> String {
 
 /// Declares the queue a consumer reads; returns its name.
 async fn declare_source(
+    connection: &lapin::Connection,
     channel: &lapin::Channel,
     config: &AmqpConfig,
     options: &ConsumerOptions,
 ) -> Result<String, AmqpError> {
     match &options.private_queue {
-        None => broker::declare(channel, config, &options.consumer_type).await,
+        None => broker::declare(connection, config, &options.consumer_type).await,
         Some(queue) => {
             channel
                 .queue_declare(
@@ -313,6 +320,19 @@ impl Delivered {
         Ok(())
     }
 
+    /// `basic.nack` with requeue: back to the queue now (a quorum queue counts it).
+    async fn requeue(&self) -> Result<(), AmqpError> {
+        self.delivery
+            .acker
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..BasicNackOptions::default()
+            })
+            .await
+            .map(drop)
+            .map_err(AmqpError::broker("nack"))
+    }
+
     /// A quorum queue's retry: back to the queue with `basic.nack`, which counts the
     /// delivery; the broker dead-letters the message past its delivery limit.
     async fn nack(&self, reason: &str) -> Result<Retried, AmqpError> {
@@ -331,14 +351,7 @@ impl Delivered {
         }
         // The requeued message comes back at once: wait first, as the classic path does.
         tokio::time::sleep(backoff(attempts)).await;
-        self.delivery
-            .acker
-            .nack(BasicNackOptions {
-                requeue: true,
-                ..BasicNackOptions::default()
-            })
-            .await
-            .map_err(AmqpError::broker("nack"))?;
+        self.requeue().await?;
         Ok(if last {
             Retried::RequeuedLast
         } else {
@@ -442,6 +455,10 @@ impl Received for Delivered {
             )
             .await?;
         self.ack().await
+    }
+
+    async fn give_back(&self) -> Result<(), AmqpError> {
+        self.requeue().await
     }
 }
 

@@ -51,6 +51,22 @@ pub async fn serve_step(
     .await
 }
 
+/// [`serve_step`] for `batch` 1, [`serve_step_batched`] above.
+pub(crate) async fn serve_step_in_batches(
+    config: AmqpConfig,
+    pool: Arc<StepPool>,
+    kinds: impl IntoIterator<Item = String>,
+    timeout: Duration,
+    batch: usize,
+    linger: Duration,
+) -> Result<ConsumerHandle, AmqpError> {
+    if batch > 1 {
+        serve_step_batched(config, pool, kinds, timeout, batch, linger).await
+    } else {
+        serve_step(config, pool, kinds, timeout).await
+    }
+}
+
 /// [`serve_step`] with batched claims: the deliveries the consumer holds at once (set
 /// its prefetch to at least `max`) are gathered into batches of up to `max`, closed
 /// after `linger`, and run with [`StepPool::deliver_batch`] — one transaction and one
@@ -171,7 +187,7 @@ impl AmqpDispatch {
         if let Some(consumer_type) = consumer_type {
             let queue = self.config.queue(consumer_type);
             if !link.declared.contains(&queue) {
-                broker::declare(link.publisher.channel(), &self.config, consumer_type).await?;
+                broker::declare(&link.connection, &self.config, consumer_type).await?;
                 link.declared.insert(queue);
             }
         }
@@ -189,24 +205,35 @@ impl Dispatch for AmqpDispatch {
         let queue = self.config.queue(consumer_type);
         self.waiters
             .send_and_wait(envelope, timeout, async |command| {
-                let published = match self.publisher_for(Some(consumer_type)).await {
-                    Ok(publisher) => {
-                        publisher
-                            .publish(
-                                &queue,
-                                &command,
-                                Some(&self.reply_queue),
-                                None,
-                                Routing::Required,
-                            )
-                            .await
-                    }
-                    Err(error) => Err(error),
+                // Bounded like the wait for the reply: a connection that stopped
+                // answering must not hold every saga's next command for ever.
+                let publishing = async {
+                    let publisher = self.publisher_for(Some(consumer_type)).await?;
+                    publisher
+                        .publish(
+                            &queue,
+                            &command,
+                            Some(&self.reply_queue),
+                            None,
+                            Routing::Required,
+                        )
+                        .await
                 };
+                let published = tokio::time::timeout(timeout, publishing)
+                    .await
+                    .unwrap_or(Err(AmqpError::NoAnswer {
+                        operation: "publish a step command",
+                        after: timeout,
+                    }));
                 if published.is_err()
                     && let Some(link) = self.link.lock().await.take()
                 {
-                    let _ = link.connection.close(200, "reconnecting".into()).await;
+                    // Closed in the background: a connection that stopped answering
+                    // would hold this command's failure as long as its close waits.
+                    tokio::spawn(async move {
+                        let closing = link.connection.close(200, "reconnecting".into());
+                        let _ = tokio::time::timeout(Duration::from_secs(5), closing).await;
+                    });
                 }
                 published
             })

@@ -1,22 +1,17 @@
-//! The dead-letter queue, for an operator: [`DeadLetterQueue::list`] reads what is in
-//! `<queue>.dead` without taking it; [`DeadLetterQueue::replay`] republishes dead letters
-//! to their source queue under their original message id. `sagabox dlq list` and
-//! `sagabox dlq replay` are these two calls.
+//! [`DeadLetterQueue`]: the dead letters of a RabbitMQ queue, `<queue>.dead`, behind
+//! [`DeadLetters`](crate::dlq::DeadLetters).
 //!
-//! A replay is safe because the consumer's inbox deduplicates on the message id: a dead
-//! letter that had in fact been applied, or one replayed twice, is answered as a
-//! duplicate and applied no second time. Each dead letter is acked only after the broker
-//! confirmed its republished copy, so a crash between the two leaves the message in both
-//! queues (the inbox absorbs the second), never in neither.
-//!
-//! Both read with `basic.get` and hold what they read unacked on one channel until the
-//! call ends, then give back what they did not replay (nacked with requeue: a classic
-//! queue puts each back where it was). A call considers only the messages in the queue
-//! when it starts, so a replayed message that the consumer dead-letters again is not
-//! replayed a second time by the same call. Two calls at once each see only the messages
-//! the other does not hold.
+//! Both calls read with `basic.get` every message the queue held when the call started,
+//! hold them unacked on one channel until the call ends, then give back what they did not
+//! replay (nacked with requeue), however few the call showed or replayed: a classic queue
+//! puts each back where it was, a quorum queue behind what it still holds, so giving back
+//! all of them keeps their order on both. A call returns once the queue counts the
+//! letters it gave back (a quorum queue applies them a moment after), so the next call
+//! reads them all. A call considers only the messages in the queue when it starts, so a
+//! replayed message that the consumer dead-letters again is not replayed a second time by
+//! the same call. Two calls at once each see only the messages the other does not hold.
 
-use std::fmt;
+use std::time::Duration;
 
 use chrono::{DateTime, TimeZone, Utc};
 use lapin::message::{BasicGetMessage, Delivery};
@@ -24,140 +19,33 @@ use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueDe
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection};
-use serde::Serialize;
 
 use super::broker::{self, Publisher, Routing};
 use super::codec;
 use super::config::{AmqpConfig, AmqpError};
 use crate::delivery::DeadReason;
 use crate::delivery::{ATTEMPTS_HEADER, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER};
+use crate::dlq::{
+    DeadLetter, DeadLetterList, DlqError, REPLAYED_HEADER, ReplayOptions, ReplayReport, queue_names,
+};
 use crate::logging::redact;
 
-/// How the name of a dead-letter queue ends: `<source queue>.dead`.
-pub const DEAD_SUFFIX: &str = ".dead";
+/// How long a call waits for the letters it gave back to count in the queue again.
+const SETTLE_WAIT: Duration = Duration::from_secs(5);
 
-/// The header counting how many times a message was replayed from a dead-letter queue.
-pub const REPLAYED_HEADER: &str = "x-sagabox-replayed";
-
-/// The longest queue name RabbitMQ accepts, in bytes.
-const MAX_QUEUE_BYTES: usize = 255;
-
-/// The source queue and the dead-letter queue `queue` names: `sagabox.payment` names
-/// `sagabox.payment` and `sagabox.payment.dead`; a name ending in `.dead` is taken as the
-/// dead-letter queue itself (`sagabox.payment.dead` names the same pair).
-pub fn queue_names(queue: &str) -> Result<(String, String), DlqError> {
-    let invalid = |reason: &str| DlqError::InvalidQueue {
-        name: queue.to_owned(),
-        reason: reason.to_owned(),
-    };
-    let source = queue.strip_suffix(DEAD_SUFFIX).unwrap_or(queue);
-    if source.is_empty() {
-        return Err(invalid("give the source queue, such as sagabox.payment"));
-    }
-    if source.chars().any(char::is_control) {
-        return Err(invalid("it contains a control character"));
-    }
-    if source.len() + DEAD_SUFFIX.len() > MAX_QUEUE_BYTES {
-        return Err(invalid(
-            "its dead-letter queue's name would be over 255 bytes",
-        ));
-    }
-    Ok((source.to_owned(), format!("{source}{DEAD_SUFFIX}")))
-}
-
-/// What went wrong reading or replaying a dead-letter queue.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum DlqError {
-    /// The queue name given cannot name a queue.
-    #[error("invalid queue name {name:?}: {reason}")]
-    InvalidQueue {
-        /// The name given.
-        name: String,
-        /// What is wrong with it.
-        reason: String,
-    },
-    /// A queue the call needs does not exist on the broker; nothing was read or changed.
-    #[error("queue {queue} does not exist on RabbitMQ at {url}; nothing was changed")]
-    QueueNotFound {
-        /// The missing queue.
-        queue: String,
-        /// The broker's URL, password redacted.
-        url: String,
-    },
-    /// The broker could not be reached, or an operation failed before any message was
-    /// replayed: nothing was changed (what was read returns to the queue with its
-    /// channel).
-    #[error(transparent)]
-    Amqp(#[from] AmqpError),
-    /// A replay failed part of the way. The messages replayed are in the source queue
-    /// and gone from the dead-letter queue; every other one is still in the dead-letter
-    /// queue, so running the replay again is safe.
-    #[error(
-        "the replay stopped after {replayed} message(s) were replayed from {queue} to {source_queue}: {source}; the rest are still in {queue}, and replaying again is safe"
-    )]
-    ReplayInterrupted {
-        /// The dead-letter queue.
-        queue: String,
-        /// Where the replayed messages went.
-        source_queue: String,
-        /// Messages republished, confirmed and acked before the failure.
-        replayed: usize,
-        /// The failure.
-        source: Box<AmqpError>,
-    },
-}
-
-/// One dead letter as read from the queue. Every field is optional because a dead
-/// letter is exactly the message that may lack what a good one carries.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct DeadLetter {
-    /// The AMQP `message_id` property: the inbox's key.
-    pub message_id: Option<String>,
-    /// The envelope's `kind`, when the body is JSON with a string `kind`.
-    pub kind: Option<String>,
-    /// The envelope's `saga_id`, when there is one.
-    pub saga_id: Option<String>,
-    /// The `x-sagabox-dead-reason` header: one of [`DeadReason::ALL`]'s codes for a
-    /// message sagabox dead-lettered. For one the broker dead-lettered, from its
-    /// `x-death` reason: `retries_exhausted` when a quorum queue's delivery limit was
-    /// reached; `None` for the others (a reject without requeue by another client, a
-    /// message past the queue's `x-message-ttl`).
-    pub reason: Option<String>,
-    /// The `x-sagabox-dead-detail` header: what exactly was wrong; for a letter the
-    /// broker dead-lettered, the broker's reason and queue.
-    pub detail: Option<String>,
-    /// The `x-sagabox-attempts` header: retryable failures before it was dead-lettered.
-    pub attempts: Option<u32>,
-    /// The `x-sagabox-replayed` header: how many times it was replayed before.
-    pub replayed: Option<u32>,
-    /// The AMQP `timestamp` property: when it was first published.
-    pub published_at: Option<DateTime<Utc>>,
-    /// Seconds from `published_at` to when it was read.
-    pub age_seconds: Option<u64>,
-    /// Size of the body in bytes.
-    pub bytes: usize,
-}
+/// How often the count is read while waiting for it to settle.
+const SETTLE_POLL: Duration = Duration::from_millis(10);
 
 impl DeadLetter {
     /// What `delivery` says about itself, its age measured at `now`.
     fn read(delivery: &Delivery, now: DateTime<Utc>) -> Self {
         let properties = &delivery.properties;
-        let body: Option<serde_json::Value> = serde_json::from_slice(&delivery.data).ok();
-        let field = |name: &str| {
-            body.as_ref()
-                .and_then(|body| body.get(name))
-                .and_then(serde_json::Value::as_str)
-                .map(str::to_owned)
-        };
         let published_at = properties
             .timestamp()
             .and_then(|seconds| i64::try_from(seconds).ok())
             .and_then(|seconds| Utc.timestamp_opt(seconds, 0).single());
         Self {
             message_id: properties.message_id().as_ref().map(ToString::to_string),
-            kind: field("kind"),
-            saga_id: field("saga_id"),
             reason: codec::header(properties, DEAD_REASON_HEADER).or_else(|| {
                 broker_death(properties)
                     .filter(|(reason, _)| reason == BROKER_DELIVERY_LIMIT)
@@ -173,56 +61,9 @@ impl DeadLetter {
             published_at,
             age_seconds: published_at
                 .map(|at| u64::try_from((now - at).num_seconds()).unwrap_or(0)),
-            bytes: delivery.data.len(),
+            ..Self::from_body(&delivery.data)
         }
     }
-}
-
-/// What [`DeadLetterQueue::list`] read.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct DeadLetterList {
-    /// The dead-letter queue.
-    pub queue: String,
-    /// The queue its messages came from.
-    pub source_queue: String,
-    /// Messages ready in the dead-letter queue when the listing started.
-    pub total: u32,
-    /// The messages read, oldest first, at most the limit asked for.
-    pub messages: Vec<DeadLetter>,
-}
-
-/// Which dead letters [`DeadLetterQueue::replay`] republishes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ReplayOptions {
-    /// Only dead letters with this reason; the others stay where they are. Defaults to
-    /// `None`: every dead letter, whatever its reason (or none).
-    pub reason: Option<DeadReason>,
-    /// Replay at most this many. Defaults to `None`: every one that matches.
-    pub limit: Option<usize>,
-}
-
-impl ReplayOptions {
-    fn matches(&self, letter: &DeadLetter) -> bool {
-        self.reason
-            .is_none_or(|reason| letter.reason.as_deref() == Some(reason.as_str()))
-    }
-}
-
-/// What [`DeadLetterQueue::replay`] did.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct ReplayReport {
-    /// The dead-letter queue.
-    pub queue: String,
-    /// Where the replayed messages went.
-    pub source_queue: String,
-    /// The reason replayed, if only one was.
-    pub reason: Option<String>,
-    /// Messages republished (confirmed) and removed from the dead-letter queue.
-    pub replayed: usize,
-    /// Messages ready in the dead-letter queue afterwards.
-    pub left: u32,
-    /// The messages replayed, in order, as they were before the replay.
-    pub messages: Vec<DeadLetter>,
 }
 
 /// The `x-death` reason of a message a quorum queue dead-lettered at its delivery limit.
@@ -294,17 +135,18 @@ impl DeadLetterQueue {
         self.ready(&self.dead).await
     }
 
-    /// Reads up to `limit` dead letters (all of them with `None`), oldest first, and
-    /// gives every one back: the queue holds the same messages afterwards.
+    /// Shows up to `limit` dead letters (all of them with `None`), oldest first, and
+    /// gives every one back: the queue holds the same messages, in the same order,
+    /// afterwards. Every letter is read, whatever the limit (see the module's note).
     pub async fn list(&self, limit: Option<usize>) -> Result<DeadLetterList, DlqError> {
         let total = self.ready(&self.dead).await?;
         let channel = self.channel().await?;
         let now = Utc::now();
         let mut held = Vec::new();
         let read = async {
+            // Every letter is held, however few are shown: see the module's note on order.
             let total = usize::try_from(total).unwrap_or(usize::MAX);
-            let wanted = limit.map_or(total, |limit| limit.min(total));
-            while held.len() < wanted {
+            while held.len() < total {
                 match self.get(&channel).await? {
                     Some(message) => held.push(message),
                     None => break,
@@ -315,11 +157,13 @@ impl DeadLetterQueue {
         .await;
         let messages = held
             .iter()
+            .take(limit.unwrap_or(usize::MAX))
             .map(|message| DeadLetter::read(&message.delivery, now))
             .collect();
         let given_back = give_back(&channel, &held).await;
         read?;
         given_back?;
+        self.settled(&self.dead, total).await?;
         Ok(DeadLetterList {
             queue: self.dead.clone(),
             source_queue: self.source.clone(),
@@ -348,14 +192,13 @@ impl DeadLetterQueue {
             // Bounded by what was there at the start: a copy the consumer dead-letters
             // again lands behind it and must not be replayed round and round.
             for _ in 0..total {
-                if options.limit.is_some_and(|limit| replayed.len() >= limit) {
-                    break;
-                }
                 let Some(message) = self.get(&channel).await? else {
                     break;
                 };
                 let letter = DeadLetter::read(&message.delivery, now);
-                if !options.matches(&letter) {
+                // Past the limit the rest is still held, to be given back in order.
+                let full = options.limit.is_some_and(|limit| replayed.len() >= limit);
+                if full || !options.matches(&letter) {
                     held.push(message);
                     continue;
                 }
@@ -382,25 +225,20 @@ impl DeadLetterQueue {
         .await;
         let given_back = give_back(&channel, &held).await;
         let _ = publisher.channel().close(200, "replayed".into()).await;
-        match run {
-            Err(source) if !replayed.is_empty() => {
-                return Err(DlqError::ReplayInterrupted {
-                    queue: self.dead.clone(),
-                    source_queue: self.source.clone(),
-                    replayed: replayed.len(),
-                    source: Box::new(source),
-                });
-            }
-            Err(source) => return Err(source.into()),
-            Ok(()) => {}
-        }
+        run.map_err(|source| {
+            DlqError::from(source).after_replaying(&self.dead, &self.source, replayed.len())
+        })?;
         given_back?;
+        let replayed_count = u32::try_from(replayed.len()).unwrap_or(u32::MAX);
+        let left = self
+            .settled(&self.dead, total.saturating_sub(replayed_count))
+            .await?;
         Ok(ReplayReport {
             queue: self.dead.clone(),
             source_queue: self.source.clone(),
             reason: options.reason.map(|reason| reason.as_str().to_owned()),
             replayed: replayed.len(),
-            left: self.ready(&self.dead).await?,
+            left,
             messages: replayed,
         })
     }
@@ -425,6 +263,21 @@ impl DeadLetterQueue {
             .map_err(AmqpError::broker("read the dead-letter queue"))
     }
 
+    /// Messages ready in `queue` once it counts at least `expected` again, or after
+    /// [`SETTLE_WAIT`], whichever comes first. A quorum queue applies the give-backs of a
+    /// closed channel through its log, after the channel is gone, so a count taken at
+    /// once can miss them; the next call would then read fewer letters than there are.
+    async fn settled(&self, queue: &str, expected: u32) -> Result<u32, DlqError> {
+        let deadline = tokio::time::Instant::now() + SETTLE_WAIT;
+        loop {
+            let ready = self.ready(queue).await?;
+            if ready >= expected || tokio::time::Instant::now() >= deadline {
+                return Ok(ready);
+            }
+            tokio::time::sleep(SETTLE_POLL).await;
+        }
+    }
+
     /// Messages ready in `queue`, or [`DlqError::QueueNotFound`].
     async fn ready(&self, queue: &str) -> Result<u32, DlqError> {
         // A passive declare of a missing queue closes its channel: a channel of its own.
@@ -445,6 +298,8 @@ impl DeadLetterQueue {
                 Ok(declared.message_count())
             }
             Err(error) if is_not_found(&error) => Err(DlqError::QueueNotFound {
+                broker: "RabbitMQ",
+                what: "queue",
                 queue: queue.to_owned(),
                 url: self.url.clone(),
             }),
@@ -522,106 +377,9 @@ fn replay_properties(properties: &BasicProperties) -> BasicProperties {
     properties.clone().with_headers(headers)
 }
 
-/// `seconds` for people: `42 s`, `5 min`, `3 h`, `2 days`.
-fn age(seconds: u64) -> String {
-    match seconds {
-        s if s < 120 => format!("{s} s"),
-        s if s < 7_200 => format!("{} min", s / 60),
-        s if s < 172_800 => format!("{} h", s / 3_600),
-        s => format!("{} days", s / 86_400),
-    }
-}
-
-fn or_dash(value: Option<&str>) -> &str {
-    value.unwrap_or("-")
-}
-
-impl fmt::Display for DeadLetter {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let attempts = self.attempts.map_or("-".to_owned(), |n| n.to_string());
-        let age = self.age_seconds.map_or("-".to_owned(), age);
-        write!(
-            f,
-            "{:<38} {:<20} {:<20} {:>8} {:>9}  {}",
-            or_dash(self.message_id.as_deref()),
-            or_dash(self.kind.as_deref()),
-            or_dash(self.reason.as_deref()),
-            attempts,
-            age,
-            or_dash(self.detail.as_deref()),
-        )
-    }
-}
-
-fn header(f: &mut fmt::Formatter<'_>) -> fmt::Result {
-    writeln!(
-        f,
-        "  {:<38} {:<20} {:<20} {:>8} {:>9}  detail",
-        "message id", "kind", "reason", "attempts", "age"
-    )
-}
-
-impl fmt::Display for DeadLetterList {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
-            f,
-            "{}: {} dead letter(s) from {}; showing {} (left in the queue)",
-            self.queue,
-            self.total,
-            self.source_queue,
-            self.messages.len()
-        )?;
-        if self.messages.is_empty() {
-            return Ok(());
-        }
-        header(f)?;
-        for message in &self.messages {
-            writeln!(f, "  {message}")?;
-        }
-        Ok(())
-    }
-}
-
-impl fmt::Display for ReplayReport {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let which = self
-            .reason
-            .as_ref()
-            .map_or(String::new(), |reason| format!(" with reason {reason}"));
-        writeln!(
-            f,
-            "replayed {} dead letter(s){which} from {} to {}; {} left in {}",
-            self.replayed, self.queue, self.source_queue, self.left, self.queue
-        )?;
-        if self.messages.is_empty() {
-            return Ok(());
-        }
-        header(f)?;
-        for message in &self.messages {
-            writeln!(f, "  {message}")?;
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_queue_is_named_by_its_source_or_its_dead_letter_queue() {
-        let pair = (
-            "sagabox.payment".to_owned(),
-            "sagabox.payment.dead".to_owned(),
-        );
-        assert_eq!(queue_names("sagabox.payment").unwrap(), pair);
-        assert_eq!(queue_names("sagabox.payment.dead").unwrap(), pair);
-        for bad in ["", ".dead", "a\nb", &"q".repeat(251)] {
-            let error = queue_names(bad).unwrap_err();
-            assert!(matches!(error, DlqError::InvalidQueue { .. }), "{error}");
-        }
-        assert!(queue_names(&"q".repeat(250)).is_ok());
-    }
 
     #[test]
     fn a_replay_drops_the_dead_letter_headers_and_counts_the_replays() {
@@ -646,38 +404,5 @@ mod tests {
         assert_eq!(codec::count_header(&first, REPLAYED_HEADER), Some(1));
         let second = replay_properties(&first);
         assert_eq!(codec::count_header(&second, REPLAYED_HEADER), Some(2));
-    }
-
-    #[test]
-    fn a_filter_by_reason_takes_only_that_reason() {
-        let letter = |reason: Option<&str>| DeadLetter {
-            message_id: None,
-            kind: None,
-            saga_id: None,
-            reason: reason.map(str::to_owned),
-            detail: None,
-            attempts: None,
-            replayed: None,
-            published_at: None,
-            age_seconds: None,
-            bytes: 0,
-        };
-        let all = ReplayOptions::default();
-        let rejected = ReplayOptions {
-            reason: Some(DeadReason::Rejected),
-            limit: None,
-        };
-        assert!(all.matches(&letter(None)));
-        assert!(rejected.matches(&letter(Some("rejected"))));
-        assert!(!rejected.matches(&letter(Some("unknown_kind"))));
-        assert!(!rejected.matches(&letter(None)));
-    }
-
-    #[test]
-    fn ages_read_in_the_largest_whole_unit() {
-        assert_eq!(age(42), "42 s");
-        assert_eq!(age(600), "10 min");
-        assert_eq!(age(3 * 3600), "3 h");
-        assert_eq!(age(5 * 86_400), "5 days");
     }
 }

@@ -53,11 +53,36 @@ pub struct QueueRetention {
 }
 
 /// Reads `queue`'s retention from the management API
-/// ([`AmqpConfig::management_base`]), with the AMQP URL's credentials and vhost.
+/// ([`AmqpConfig::management_base`]), with the AMQP URL's credentials and vhost. For a
+/// cluster's URL list (and no management URL of its own), each node's API is asked in
+/// turn until one answers.
 pub async fn measure_retention(
     config: &AmqpConfig,
     queue: &str,
 ) -> Result<QueueRetention, AmqpError> {
+    let mut measured = Err(AmqpError::Config("no node in the URL list".into()));
+    for node in api_nodes(config) {
+        measured = measure_on(&node, queue).await;
+        if !matches!(measured, Err(AmqpError::Management { .. })) {
+            break;
+        }
+    }
+    measured
+}
+
+/// The configurations whose management API to ask, in turn: each node's of a cluster's
+/// URL list, or only the first node's when the API is configured (the credentials and
+/// the vhost come from a node's URL).
+fn api_nodes(config: &AmqpConfig) -> Vec<AmqpConfig> {
+    let mut nodes = config.nodes();
+    if config.management_url.is_some() {
+        nodes.truncate(1);
+    }
+    nodes
+}
+
+/// [`measure_retention`] through one node's API.
+async fn measure_on(config: &AmqpConfig, queue: &str) -> Result<QueueRetention, AmqpError> {
     let api = Api::new(config, queue)?;
     let mut info = api
         .get(&format!("queues/{}/{}", api.vhost, encode(queue)))
@@ -182,6 +207,18 @@ pub async fn check_retention(
 /// The durable queues named `<prefix>.…` on the broker, except the `.dead` ones, each
 /// with its retention: what `sagabox inspect` reports beside the inbox TTL.
 pub async fn prefixed_queues(config: &AmqpConfig) -> Result<Vec<QueueRetention>, AmqpError> {
+    let mut listed = Err(AmqpError::Config("no node in the URL list".into()));
+    for node in api_nodes(config) {
+        listed = prefixed_queues_on(&node).await;
+        if !matches!(listed, Err(AmqpError::Management { .. })) {
+            break;
+        }
+    }
+    listed
+}
+
+/// [`prefixed_queues`] through one node's API.
+async fn prefixed_queues_on(config: &AmqpConfig) -> Result<Vec<QueueRetention>, AmqpError> {
     let api = Api::new(config, &format!("{}.*", config.queue_prefix))?;
     let listed = api
         .get(&format!("queues/{}?columns=name,durable", api.vhost))
@@ -193,13 +230,13 @@ pub async fn prefixed_queues(config: &AmqpConfig) -> Result<Vec<QueueRetention>,
         .flatten()
         .filter(|queue| queue.get("durable").and_then(Value::as_bool) == Some(true))
         .filter_map(|queue| queue.get("name").and_then(Value::as_str))
-        .filter(|name| name.starts_with(&start) && !name.ends_with(super::DEAD_SUFFIX))
+        .filter(|name| name.starts_with(&start) && !name.ends_with(crate::dlq::DEAD_SUFFIX))
         .map(str::to_owned)
         .collect();
     names.sort();
     let mut queues = Vec::with_capacity(names.len());
     for name in names {
-        queues.push(measure_retention(config, &name).await?);
+        queues.push(measure_on(config, &name).await?);
     }
     Ok(queues)
 }

@@ -1,51 +1,23 @@
 //! The figures of `inspect` from SQLite, in one read transaction (a WAL snapshot).
 
-use std::str::FromStr;
-
 use chrono::{DateTime, Utc};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
-use sqlx::{AssertSqlSafe, Connection, Row, Sqlite, Transaction};
+use sqlx::{AssertSqlSafe, Row, Sqlite, Transaction};
 
-use super::{DuplicateReport, Facts, InspectError, SagaRow, database_error, merge_duplicates};
-use crate::database::{ConnectError, missing_sqlite_file};
-use crate::logging::redact;
+use super::sql::saga_and_outbox_facts;
+use super::{DuplicateReport, Facts, ReadFacts, merge_duplicates};
 use crate::month::Month;
-use crate::store::PARTITION_PREFIX;
+use crate::store::{PARTITION_PREFIX, SqliteStore};
 
-/// Reads every figure; `windows` are the starts of the last hour and the last day.
-pub(super) async fn facts(url: &str, windows: [DateTime<Utc>; 2]) -> Result<Facts, InspectError> {
-    let failed = database_error(url);
-    let mut conn = open(url).await?;
-    // A deferred transaction that only reads: one snapshot for every figure.
-    let mut tx = conn.begin().await.map_err(&failed)?;
-    let mut facts = Facts::default();
-    inbox_facts(&mut tx, windows, &mut facts)
-        .await
-        .map_err(&failed)?;
-    saga_facts(&mut tx, &mut facts).await.map_err(&failed)?;
-    outbox_facts(&mut tx, &mut facts).await.map_err(&failed)?;
-    tx.rollback().await.map_err(&failed)?;
-    Ok(facts)
-}
-
-/// The connection to the migrated database at `url`; never creates a file.
-async fn open(url: &str) -> Result<SqliteConnection, InspectError> {
-    // Never create a file: inspecting a mistyped path must fail, not make an empty db.
-    if let Some(what) = missing_sqlite_file(url)? {
-        return Err(InspectError::NotMigrated {
-            url: redact(url),
-            what,
-        });
+impl ReadFacts for SqliteStore {
+    async fn facts(&self, windows: [DateTime<Utc>; 2]) -> Result<Facts, sqlx::Error> {
+        // A deferred transaction that only reads: one snapshot for every figure.
+        let mut tx = self.pool().begin().await?;
+        let mut facts = Facts::default();
+        inbox_facts(&mut tx, windows, &mut facts).await?;
+        saga_and_outbox_facts::<Sqlite>(&mut tx, self.schema(), &mut facts).await?;
+        tx.rollback().await?;
+        Ok(facts)
     }
-    let options = SqliteConnectOptions::from_str(url)
-        .map_err(|error| ConnectError::new(url, error))?
-        .create_if_missing(false)
-        .busy_timeout(std::time::Duration::from_secs(30));
-    let mut conn = SqliteConnection::connect_with(&options)
-        .await
-        .map_err(|error| ConnectError::new(url, error))?;
-    check_migrated(url, &mut conn).await?;
-    Ok(conn)
 }
 
 /// The inbox's monthly tables: rows, size, the span of their times, duplicates.
@@ -119,78 +91,4 @@ async fn inbox_facts(
     facts.pruned_through = pruned.and_then(|text| text.parse().ok());
 
     Ok(())
-}
-
-/// Sagas by state, and the oldest unfinished one that is not parked.
-async fn saga_facts(
-    tx: &mut Transaction<'_, Sqlite>,
-    facts: &mut Facts,
-) -> Result<(), sqlx::Error> {
-    let statuses = sqlx::query(
-        "SELECT CASE WHEN parked_reason IS NULL THEN status ELSE 'parked' END AS state, \
-                COUNT(*) AS n FROM sagabox_saga_instances GROUP BY 1",
-    )
-    .fetch_all(&mut **tx)
-    .await?;
-    for row in statuses {
-        facts
-            .sagas_by_status
-            .insert(row.try_get("state")?, row.try_get("n")?);
-    }
-    // Timestamps are RFC 3339 text in UTC, which sorts in time order.
-    let oldest = sqlx::query(
-        "SELECT id, saga_name, status, current_step, attempts, created_at, updated_at, last_error \
-         FROM sagabox_saga_instances WHERE status IN ('running', 'compensating') AND parked_reason IS NULL \
-         ORDER BY created_at LIMIT 1",
-    )
-    .fetch_optional(&mut **tx)
-    .await
-    ?;
-    facts.oldest_unfinished = oldest
-        .map(|row| {
-            Ok::<_, sqlx::Error>(SagaRow {
-                id: row.try_get("id")?,
-                saga_name: row.try_get("saga_name")?,
-                status: row.try_get("status")?,
-                current_step: row.try_get("current_step")?,
-                attempts: row.try_get("attempts")?,
-                created_at: row.try_get("created_at")?,
-                updated_at: row.try_get("updated_at")?,
-                last_error: row.try_get("last_error")?,
-            })
-        })
-        .transpose()?;
-
-    Ok(())
-}
-
-/// The outbox's pending rows and the oldest one's time.
-async fn outbox_facts(
-    tx: &mut Transaction<'_, Sqlite>,
-    facts: &mut Facts,
-) -> Result<(), sqlx::Error> {
-    facts.outbox_pending =
-        sqlx::query_scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")
-            .fetch_one(&mut **tx)
-            .await?;
-    facts.oldest_pending_at = sqlx::query_scalar(
-        "SELECT created_at FROM sagabox_outbox WHERE sent_at IS NULL ORDER BY created_at LIMIT 1",
-    )
-    .fetch_optional(&mut **tx)
-    .await?;
-    Ok(())
-}
-
-/// Refuses a database where any of this version's migrations has not run.
-async fn check_migrated(url: &str, conn: &mut SqliteConnection) -> Result<(), InspectError> {
-    match crate::database::unapplied_sqlite(conn)
-        .await
-        .map_err(database_error(url))?
-    {
-        None => Ok(()),
-        Some(what) => Err(InspectError::NotMigrated {
-            url: redact(url),
-            what,
-        }),
-    }
 }

@@ -221,7 +221,7 @@ impl NatsConfig {
 }
 
 /// A stream or durable consumer name for `subject`: names may not hold dots.
-fn stream_name(subject: &str) -> String {
+pub(crate) fn stream_name(subject: &str) -> String {
     subject.replace('.', "_")
 }
 

@@ -359,4 +359,9 @@ impl Received for Delivered {
         .await?;
         self.ack(AckKind::Ack).await
     }
+
+    /// A negative acknowledgement without a delay: delivered again now.
+    async fn give_back(&self) -> Result<(), NatsError> {
+        self.ack(AckKind::Nak(None)).await
+    }
 }

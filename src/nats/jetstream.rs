@@ -53,12 +53,17 @@ pub async fn connect(config: &NatsConfig, role: &str) -> Result<Client, NatsErro
     })
 }
 
+/// Whether `name` cannot be a NATS subject whose dots, made underscores, name a stream:
+/// a wildcard, a slash or white space, or an empty token.
+pub(crate) fn unfit_for_subject(name: &str) -> bool {
+    let bad = |c: char| matches!(c, '*' | '>' | '/' | '\\') || c.is_whitespace();
+    name.chars().any(bad) || name.starts_with('.') || name.ends_with('.') || name.contains("..")
+}
+
 /// Checks that `consumer_type` can be a subject token and a stream name.
 pub(crate) fn check_consumer_type(consumer_type: &ConsumerType) -> Result<(), NatsError> {
     let name = consumer_type.as_str();
-    let bad = |c: char| matches!(c, '*' | '>' | '/' | '\\') || c.is_whitespace();
-    if name.chars().any(bad) || name.starts_with('.') || name.ends_with('.') || name.contains("..")
-    {
+    if unfit_for_subject(name) {
         return Err(NatsError::Config(format!(
             "the consumer type {name:?} cannot name a NATS subject: use letters, digits, '-', \
              '_' and single dots"

@@ -307,6 +307,36 @@ pub(crate) fn answer<R: Rng + ?Sized>(
     change
 }
 
+/// `change` (what [`answer`] returned for `saga`) with the changes that follow it
+/// without a command folded in, so that they are saved together: a saga past its last
+/// step completes, a compensating saga below its first step is compensated, a step with
+/// nothing to undo is skipped, a deadline that passed turns the saga to compensate — each
+/// in the save of the reply that led to it rather than in a save of its own. A change
+/// with a backoff is returned as it is: its next command waits, so nothing follows at
+/// once.
+pub(crate) fn settle(
+    saga: &mut SagaInstance,
+    definition: &SagaDefinition,
+    mut change: Change,
+    now: DateTime<Utc>,
+) -> Change {
+    if change.backoff.is_some() {
+        return change;
+    }
+    loop {
+        // On a copy: a `Send` counts its attempt on the saga it is asked for.
+        let mut ahead = saga.clone();
+        match next(&mut ahead, definition, now) {
+            Next::Save(more) => {
+                *saga = ahead;
+                change.events.extend(more.events);
+                change.compensating = change.compensating.or(more.compensating);
+            }
+            Next::Idle | Next::Send(_) => return change,
+        }
+    }
+}
+
 /// Parks `saga` with `reason`, after `events`: it waits for an operator. With
 /// [`Renew::Command`] (the step's inbox recorded a refusal of the command, so no attempt
 /// of it applied), the step's next command gets a new id, so that once an operator has
@@ -465,6 +495,84 @@ mod tests {
 
     fn kinds(change: &Change) -> Vec<EventKind> {
         change.events.iter().map(|event| event.kind).collect()
+    }
+
+    /// Answers the command `next` decides with `reply`, then settles the change.
+    fn step_settled(
+        saga: &mut SagaInstance,
+        definition: &SagaDefinition,
+        reply: Result<StepReply, StepFailure>,
+    ) -> Change {
+        let (_, _, change) = step(saga, definition, reply);
+        settle(saga, definition, change, start())
+    }
+
+    #[test]
+    fn the_save_that_ends_a_saga_is_the_last_reply_s() {
+        let definition = definition(&[None], 1);
+        let mut saga = SagaInstance::under(&definition, "s-1", json!({}), start());
+        let first = step_settled(&mut saga, &definition, done(json!(1)));
+        assert_eq!(kinds(&first), [EventKind::Sent, EventKind::Applied]);
+        assert!(matches!(
+            next(&mut saga.clone(), &definition, start()),
+            Next::Send(_)
+        ));
+        let last = step_settled(&mut saga, &definition, done(json!(2)));
+        assert_eq!(
+            kinds(&last),
+            [EventKind::Sent, EventKind::Applied, EventKind::Completed]
+        );
+        assert_eq!(saga.status, SagaStatus::Completed);
+        assert!(matches!(next(&mut saga, &definition, start()), Next::Idle));
+    }
+
+    #[test]
+    fn a_refusal_skips_the_steps_with_nothing_to_undo_in_its_own_save() {
+        // s0 has a compensation, s1 and s2 have none: s2's refusal skips s1's undo.
+        let definition = definition(&[None], 2);
+        let mut saga = SagaInstance::under(&definition, "s-1", json!({}), start());
+        step_settled(&mut saga, &definition, done(json!(1)));
+        step_settled(&mut saga, &definition, done(json!(2)));
+        let refusal = step_settled(&mut saga, &definition, refused("no"));
+        assert_eq!(
+            kinds(&refusal),
+            [
+                EventKind::Sent,
+                EventKind::Refused,
+                EventKind::Compensating,
+                EventKind::Skipped
+            ]
+        );
+        assert_eq!(refusal.compensating, Some(CompensationTrigger::Refused));
+        assert_eq!(
+            (saga.status, saga.current_step),
+            (SagaStatus::Compensating, 0)
+        );
+        let undone = step_settled(&mut saga, &definition, done(json!(null)));
+        assert_eq!(
+            kinds(&undone),
+            [EventKind::Sent, EventKind::Applied, EventKind::Compensated]
+        );
+        assert_eq!(saga.status, SagaStatus::Compensated);
+    }
+
+    #[test]
+    fn a_retry_is_settled_as_it_is() {
+        let definition = definition(&[Some(3)], 0);
+        let mut saga = SagaInstance::under(&definition, "s-1", json!({}), start());
+        let (_, _, change) = step(
+            &mut saga,
+            &definition,
+            Err(StepFailure::Retryable("later".into())),
+        );
+        assert!(change.backoff.is_some());
+        let before = saga.clone();
+        let settled = settle(&mut saga, &definition, change, start());
+        assert_eq!(kinds(&settled), [EventKind::Sent, EventKind::Failed]);
+        assert_eq!(
+            saga, before,
+            "the next attempt is not counted before its backoff"
+        );
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! it runs on. What needs one database type — the inbox's transactions, a saga inserted
 //! beside the caller's writes — takes the concrete store ([`PostgresStore`],
 //! [`SqliteStore`]): code of that kind is written once as an [`OnStore`] job, generic
-//! over the store, and [`AnyStore::run`] runs it on the store the URL named.
+//! over the store, and [`AnyStore::run`] runs it on the store the URL named. This file
+//! is the one place that matches on the database.
 
 use std::future::Future;
 
@@ -60,21 +61,53 @@ impl Store for SqliteStore {
     }
 }
 
-/// Work written once, generic over the store, for [`AnyStore::run`] to run on the store of
-/// whichever database a URL named: the code that needs one database type (a guard, a
-/// transaction) without choosing it.
-pub trait OnStore: Send {
+/// Work on a store of type `S`, for [`AnyStore::run`] to run on the store of whichever
+/// database a URL named: the code that needs one database type (a guard, a transaction)
+/// without choosing it. Written once as `impl<S: Store> OnStore<S> for Job`; a job whose
+/// own SQL needs more of the database than [`Store`] says (the types it binds and
+/// decodes) states it in that `impl`'s `where` clause, which both databases meet.
+pub trait OnStore<S: Store>: Send {
     /// What the work returns.
     type Output: Send;
 
     /// Runs the work on `store`.
-    fn run<S: Store>(self, store: S) -> impl Future<Output = Self::Output> + Send;
+    fn run(self, store: S) -> impl Future<Output = Self::Output> + Send;
 }
+
+/// A job [`AnyStore::run`] can run: an [`OnStore`] for the store of every database this
+/// build has, returning `O` on each. Implemented for every such job.
+#[cfg(all(feature = "postgres", feature = "sqlite"))]
+pub trait OnAnyStore<O>:
+    OnStore<PostgresStore, Output = O> + OnStore<SqliteStore, Output = O>
+{
+}
+
+#[cfg(all(feature = "postgres", feature = "sqlite"))]
+impl<O, J> OnAnyStore<O> for J where
+    J: OnStore<PostgresStore, Output = O> + OnStore<SqliteStore, Output = O>
+{
+}
+
+/// A job [`AnyStore::run`] can run: an [`OnStore`] for the store of every database this
+/// build has, returning `O` on each. Implemented for every such job.
+#[cfg(all(feature = "postgres", not(feature = "sqlite")))]
+pub trait OnAnyStore<O>: OnStore<PostgresStore, Output = O> {}
+
+#[cfg(all(feature = "postgres", not(feature = "sqlite")))]
+impl<O, J: OnStore<PostgresStore, Output = O>> OnAnyStore<O> for J {}
+
+/// A job [`AnyStore::run`] can run: an [`OnStore`] for the store of every database this
+/// build has, returning `O` on each. Implemented for every such job.
+#[cfg(all(feature = "sqlite", not(feature = "postgres")))]
+pub trait OnAnyStore<O>: OnStore<SqliteStore, Output = O> {}
+
+#[cfg(all(feature = "sqlite", not(feature = "postgres")))]
+impl<O, J: OnStore<SqliteStore, Output = O>> OnAnyStore<O> for J {}
 
 impl AnyStore {
     /// Opens the store of the database `url` names, with up to `connections`
-    /// connections; on PostgreSQL sagabox's tables are in `schema` (SQLite has none and
-    /// ignores it). The file an `sqlite:` URL names is created if missing; for a command
+    /// connections (at most [`SqliteStore::MAX_USEFUL_CONNECTIONS`] on SQLite); on
+    /// PostgreSQL sagabox's tables are in `schema` (SQLite has none and ignores it). The file an `sqlite:` URL names is created if missing; for a command
     /// that must find a migrated database, use
     /// [`open_migrated`](crate::database::open_migrated).
     pub async fn connect(
@@ -91,6 +124,7 @@ impl AnyStore {
             #[cfg(feature = "sqlite")]
             crate::database::Backend::Sqlite => {
                 let _ = schema;
+                let connections = connections.min(SqliteStore::MAX_USEFUL_CONNECTIONS);
                 Ok(SqliteStore::connect(url, connections).await?.into())
             }
             #[allow(unreachable_patterns)]
@@ -99,12 +133,29 @@ impl AnyStore {
     }
 
     /// Runs `job` on the store of the database this one is.
-    pub async fn run<J: OnStore>(self, job: J) -> J::Output {
+    pub async fn run<O, J: OnAnyStore<O>>(self, job: J) -> O {
         match self {
             #[cfg(feature = "postgres")]
             AnyStore::Postgres(store) => job.run(store).await,
             #[cfg(feature = "sqlite")]
             AnyStore::Sqlite(store) => job.run(store).await,
+        }
+    }
+
+    /// What keeps the database from being at this version's migrations, or `None` when
+    /// every one has run.
+    pub(crate) async fn unapplied_migrations(&self) -> Result<Option<String>, sqlx::Error> {
+        match self {
+            #[cfg(feature = "postgres")]
+            AnyStore::Postgres(store) => {
+                let mut conn = store.pool().acquire().await?;
+                crate::database::unapplied_postgres(&mut conn, store.schema()).await
+            }
+            #[cfg(feature = "sqlite")]
+            AnyStore::Sqlite(store) => {
+                let mut conn = store.pool().acquire().await?;
+                crate::database::unapplied_sqlite(&mut conn).await
+            }
         }
     }
 

@@ -46,6 +46,11 @@ impl SqliteStore {
         }
     }
 
+    /// The most connections worth pooling: SQLite writes one transaction at a time, and
+    /// connections beyond these only queue on its lock.
+    /// [`AnyStore::connect`](crate::store::AnyStore::connect) opens at most this many.
+    pub const MAX_USEFUL_CONNECTIONS: u32 = 8;
+
     /// Opens (creating if missing) the database at `url` (`sqlite:path/to/file.db`) with
     /// up to `max_connections` connections, in WAL mode with full fsync on commit (an
     /// acknowledged message must survive a power cut) and a 30 s busy timeout.

@@ -228,9 +228,9 @@ impl Sender {
         match &self.link {
             #[cfg(feature = "rabbitmq")]
             Link::Amqp {
-                config, publisher, ..
+                config, connection, ..
             } => {
-                amqp::declare(publisher.channel(), config, destination).await?;
+                amqp::declare(connection, config, destination).await?;
             }
             #[cfg(feature = "nats")]
             Link::Nats {

@@ -8,7 +8,10 @@
 
 pub mod chaos;
 pub mod children;
+pub mod cluster_run;
+pub mod effects;
 pub mod invariants;
+pub mod pg_pair;
 pub mod proxy;
 pub mod rabbit;
 pub mod scrape;

@@ -5,7 +5,9 @@
 //!   what a transaction in flight sees when the server or the network goes away;
 //! - [`FaultProxy::set_delay`]: holds every chunk forwarded, either way, for a while;
 //! - [`FaultProxy::refuse`]: new connections are accepted and closed at once (the pool
-//!   sees the server go away during the handshake) until [`FaultProxy::accept`].
+//!   sees the server go away during the handshake) until [`FaultProxy::accept`];
+//! - [`FaultProxy::redirect`]: new connections go to another server, as a virtual IP or
+//!   a DNS name moved to a promoted standby would send them.
 //!
 //! The proxy runs on the test's tokio runtime and stops when dropped.
 
@@ -20,9 +22,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Faults {
+    upstream: std::sync::Mutex<SocketAddr>,
     refusing: AtomicBool,
     delay_ms: AtomicU64,
     open: AtomicUsize,
@@ -48,7 +52,15 @@ impl FaultProxy {
             .await
             .expect("bind the proxy");
         let addr = listener.local_addr().expect("proxy address");
-        let faults = Arc::new(Faults::default());
+        let faults = Arc::new(Faults {
+            upstream: std::sync::Mutex::new(upstream),
+            refusing: AtomicBool::new(false),
+            delay_ms: AtomicU64::new(0),
+            open: AtomicUsize::new(0),
+            accepted: AtomicUsize::new(0),
+            refused: AtomicUsize::new(0),
+            cuts: AtomicUsize::new(0),
+        });
         let (generation, _) = watch::channel(0u64);
         let task = {
             let faults = Arc::clone(&faults);
@@ -66,7 +78,7 @@ impl FaultProxy {
                     faults.accepted.fetch_add(1, Ordering::SeqCst);
                     let faults = Arc::clone(&faults);
                     let cut = generation.subscribe();
-                    tokio::spawn(relay(client, upstream, faults, cut));
+                    tokio::spawn(relay(client, faults, cut));
                 }
             })
         };
@@ -105,6 +117,16 @@ impl FaultProxy {
             .map(|(user, _)| format!("{user}@"))
             .unwrap_or_default();
         format!("{scheme}://{userinfo}{}{path}", self.addr)
+    }
+
+    /// Sends new connections to `upstream` from now on (open ones stay where they are:
+    /// [`cut`](Self::cut) them).
+    pub fn redirect(&self, upstream: SocketAddr) {
+        *self
+            .faults
+            .upstream
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = upstream;
     }
 
     /// Closes every open connection, both ways, now.
@@ -158,12 +180,11 @@ impl Drop for FaultProxy {
 }
 
 /// Forwards one connection both ways until either side closes or a cut comes.
-async fn relay(
-    client: TcpStream,
-    upstream: SocketAddr,
-    faults: Arc<Faults>,
-    mut cut: watch::Receiver<u64>,
-) {
+async fn relay(client: TcpStream, faults: Arc<Faults>, mut cut: watch::Receiver<u64>) {
+    let upstream = *faults
+        .upstream
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let Ok(server) = TcpStream::connect(upstream).await else {
         return;
     };
@@ -186,23 +207,39 @@ async fn relay(
     faults.open.fetch_sub(1, Ordering::SeqCst);
 }
 
+/// Forwards `from` to `to`. Under a delay, each chunk is held for that long from the moment
+/// it was read, while reading goes on: a link's latency, not a cap on its throughput (a
+/// stream faster than one buffer per delay does not fall further and further behind).
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     faults: &Faults,
 ) {
-    let mut buffer = vec![0u8; 16 * 1024];
-    loop {
-        let n = match from.read(&mut buffer).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        let delay = faults.delay_ms.load(Ordering::SeqCst);
-        if delay > 0 {
-            tokio::time::sleep(Duration::from_millis(delay)).await;
+    let (chunks, mut due) = tokio::sync::mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let read = async move {
+        let mut buffer = vec![0u8; 16 * 1024];
+        loop {
+            let n = match from.read(&mut buffer).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            let delay = Duration::from_millis(faults.delay_ms.load(Ordering::SeqCst));
+            if chunks
+                .send((Instant::now() + delay, buffer[..n].to_vec()))
+                .is_err()
+            {
+                return;
+            }
         }
-        if to.write_all(&buffer[..n]).await.is_err() {
-            return;
+    };
+    let write = async move {
+        while let Some((at, chunk)) = due.recv().await {
+            tokio::time::sleep_until(at).await;
+            if to.write_all(&chunk).await.is_err() {
+                return;
+            }
         }
-    }
+    };
+    // The writer drains what was read before the reader's end; a cut drops both.
+    let (_, ()) = tokio::join!(read, write);
 }

@@ -90,7 +90,7 @@ impl Rabbit {
     /// Declares `consumer_type`'s queues as the library does.
     pub async fn declare(&self, consumer_type: &str) {
         sagabox::amqp::declare(
-            &self.channel,
+            &self.connection,
             &self.config,
             &ConsumerType::new(consumer_type).expect("consumer type"),
         )
@@ -123,7 +123,7 @@ impl Rabbit {
     #[allow(dead_code)]
     pub async fn declare_with(&self, config: &AmqpConfig, consumer_type: &str) {
         sagabox::amqp::declare(
-            &self.channel,
+            &self.connection,
             config,
             &ConsumerType::new(consumer_type).expect("consumer type"),
         )

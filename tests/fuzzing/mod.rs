@@ -25,7 +25,7 @@ where
     S: Strategy,
     S::Value: std::fmt::Debug,
 {
-    let min_cases = env_number("FUZZ_CASES", 100_000);
+    let min_cases = env_number("FUZZ_CASES", 20_000);
     let budget = Duration::from_secs(env_number("FUZZ_SECONDS", 0));
     let started = Instant::now();
     let mut cases = 0u64;

@@ -1,5 +1,5 @@
 //! The POSTs: retry or cancel a saga ([`sagabox::saga::operator`], as `sagabox saga
-//! retry|cancel`), replay a queue's dead letters ([`DeadLetterQueue::replay`], as
+//! retry|cancel`), replay a queue's dead letters ([`DeadLetters::replay`], as
 //! `sagabox dlq replay`). Each is refused unless the console runs with
 //! `--allow-actions` and the form carries the CSRF token; then it redirects (303) to the
 //! page that shows its effect.
@@ -9,7 +9,7 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::Redirect;
 use chrono::Utc;
-use sagabox::amqp::{DeadLetterQueue, ReplayOptions};
+use sagabox::dlq::{DeadLetters, ReplayOptions};
 use sagabox::saga::operator;
 use serde::Deserialize;
 
@@ -85,10 +85,10 @@ pub(crate) async fn replay(
     Form(form): Form<ReplayForm>,
 ) -> Result<Redirect, PageError> {
     check_action(&console, &form.csrf)?;
-    let amqp = console.config.amqp.as_ref().ok_or_else(|| {
+    let broker = console.config.broker.as_ref().ok_or_else(|| {
         PageError::new(
             StatusCode::BAD_REQUEST,
-            "no broker: start the console with --amqp-url",
+            "no broker: start the console with --amqp-url or --nats-url",
         )
     })?;
     if !console.config.dead_letter_queues.contains(&form.queue) {
@@ -97,7 +97,7 @@ pub(crate) async fn replay(
             format!("{} is not one of the console's queues", form.queue),
         ));
     }
-    let dlq = DeadLetterQueue::open(amqp, &form.queue)
+    let dlq = DeadLetters::open(broker, &form.queue)
         .await
         .map_err(PageError::read)?;
     let replayed = dlq.replay(&ReplayOptions::default()).await;

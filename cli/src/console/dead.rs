@@ -1,10 +1,10 @@
 //! `GET /dead`: the dead letters of each configured queue — reason, detail, attempts,
-//! age — read with the library's [`DeadLetterQueue`], which gives every message back.
+//! age — read with the library's [`DeadLetters`], which leaves every message in place.
 
 use axum::extract::State;
 use chrono::Utc;
 use maud::{Markup, html};
-use sagabox::amqp::{DeadLetterList, DeadLetterQueue, DlqError};
+use sagabox::dlq::{DeadLetterList, DeadLetters, DlqError};
 
 use super::{Console, PageError, Shared, pages};
 
@@ -14,10 +14,10 @@ const SHOWN: usize = 100;
 /// The number of dead letters per configured queue (an error for a queue that could not
 /// be read); `None` without a broker.
 pub(crate) async fn counts(console: &Console) -> Option<Vec<(String, Result<u32, DlqError>)>> {
-    let amqp = console.config.amqp.as_ref()?;
+    let broker = console.config.broker.as_ref()?;
     let mut counts = Vec::new();
     for queue in &console.config.dead_letter_queues {
-        let count = match DeadLetterQueue::open(amqp, queue).await {
+        let count = match DeadLetters::open(broker, queue).await {
             Ok(dlq) => {
                 let count = dlq.count().await;
                 dlq.close().await;
@@ -32,19 +32,19 @@ pub(crate) async fn counts(console: &Console) -> Option<Vec<(String, Result<u32,
 
 /// `GET /dead`.
 pub(crate) async fn page(State(console): State<Shared>) -> Result<Markup, PageError> {
-    let Some(amqp) = console.config.amqp.as_ref() else {
+    let Some(broker) = console.config.broker.as_ref() else {
         return Ok(pages::frame(
             "Dead letters",
             "/dead",
             html! {
                 h1 { "Dead letters" }
-                p.muted { "No broker given: start the console with --amqp-url amqp://user:password@host:port/vhost to see the dead letters." }
+                p.muted { "No broker given: start the console with --amqp-url amqp://user:password@host:port/vhost (or --nats-url nats://host:port) to see the dead letters." }
             },
         ));
     };
     let mut lists: Vec<(String, Result<DeadLetterList, DlqError>)> = Vec::new();
     for queue in &console.config.dead_letter_queues {
-        let listed = match DeadLetterQueue::open(amqp, queue).await {
+        let listed = match DeadLetters::open(broker, queue).await {
             Ok(dlq) => {
                 let listed = dlq.list(Some(SHOWN)).await;
                 dlq.close().await;

@@ -67,7 +67,7 @@ pub(crate) async fn page(State(console): State<Shared>) -> Result<Markup, PageEr
                 div.card.warn[dead_total.unwrap_or(0) > 0] id="dead-letters" {
                     a href="/dead" {
                         div.n { @if let Some(n) = dead_total { (n) } @else { "–" } }
-                        div.l { "dead letters" @if dead.is_none() { " (no --amqp-url)" } }
+                        div.l { "dead letters" @if dead.is_none() { " (no broker given)" } }
                     }
                 }
                 div.card id="outbox" {

@@ -18,6 +18,10 @@ pub struct DemoConfig {
     pub orders: usize,
     /// Sagas in flight at once. Defaults to 32.
     pub concurrency: usize,
+    /// Orders placed per second at most, evenly spaced; `None` places each as soon as
+    /// fewer than `concurrency` sagas are in flight. A paced run measures a saga's time
+    /// from start to end without the queueing of a full load. Defaults to `None`.
+    pub pace: Option<f64>,
     /// Share of step commands delivered twice, concurrently. Defaults to 0.
     pub duplicate_rate: f64,
     /// Share of replies dropped after the step committed. Defaults to 0.
@@ -70,6 +74,10 @@ pub struct DemoTransport {
     /// ([`Transport::with_replicas`](sagabox::transport::Transport::with_replicas));
     /// `None` keeps the broker's default.
     pub replicas: Option<u8>,
+    /// RabbitMQ's management API, where the queues' retention is read
+    /// ([`AmqpConfig::management_url`](sagabox::amqp::AmqpConfig::management_url));
+    /// `None`: the broker host's port 15672. Ignored by NATS.
+    pub amqp_management_url: Option<String>,
 }
 
 impl DemoTransport {
@@ -81,6 +89,7 @@ impl DemoTransport {
             external_participants: false,
             max_deliveries: 5,
             replicas: None,
+            amqp_management_url: None,
         }
     }
 
@@ -88,9 +97,18 @@ impl DemoTransport {
     pub(crate) fn transport(&self) -> Result<sagabox::transport::Transport, DemoError> {
         let transport = sagabox::transport::Transport::from_url(&self.url, &self.queue_prefix)?
             .with_max_deliveries(self.max_deliveries);
-        Ok(match self.replicas {
+        let transport = match self.replicas {
             Some(replicas) => transport.with_replicas(replicas),
             None => transport,
+        };
+        Ok(match transport {
+            sagabox::transport::Transport::Amqp(mut config)
+                if self.amqp_management_url.is_some() =>
+            {
+                config.management_url = self.amqp_management_url.clone();
+                sagabox::transport::Transport::Amqp(config)
+            }
+            other => other,
         })
     }
 }
@@ -100,6 +118,7 @@ impl Default for DemoConfig {
         Self {
             orders: 1000,
             concurrency: 32,
+            pace: None,
             duplicate_rate: 0.0,
             lost_reply_rate: 0.0,
             fail_rate: 0.0,
@@ -197,6 +216,13 @@ impl DemoConfig {
             return Err(DemoError::Config(
                 "--lost-reply-rate 1 would lose every reply forever: use less than 1".into(),
             ));
+        }
+        if let Some(pace) = self.pace
+            && !(pace.is_finite() && pace > 0.0)
+        {
+            return Err(DemoError::Config(format!(
+                "the pace must be a positive number of orders per second, got {pace}"
+            )));
         }
         if self.concurrency == 0 {
             return Err(DemoError::Config("--concurrency must be at least 1".into()));

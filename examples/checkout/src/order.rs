@@ -1,10 +1,11 @@
-//! What the three participants share: reading the order from a command's payload, the
-//! per-order lock, and [`on_both_databases!`], which writes a handler once for
-//! PostgreSQL and SQLite.
+//! What the three participants share: reading the order from a command's payload, and
+//! the per-order lock of the databases that need one ([`OrderDb`]), so that each
+//! handler is written once, generic over the database.
 
 use sagabox::Envelope;
 use sagabox::step::StepError;
 use serde_json::Value;
+use sqlx::{Encode, Executor, IntoArguments, Type};
 
 /// One order's commands run one at a time on PostgreSQL: a charge still running when
 /// the orchestrator gave up on it must not interleave with its refund (each would miss
@@ -12,6 +13,45 @@ use serde_json::Value;
 /// lock does not order them. On SQLite every claim already holds the single write lock
 /// (`BEGIN IMMEDIATE`) until it commits.
 pub(crate) const LOCK_ORDER_POSTGRES: &str = "SELECT 1 FROM demo_orders WHERE id = $1 FOR UPDATE";
+
+/// A database the participants run on: the statement that locks an order, if it needs
+/// one.
+pub trait OrderDb: sqlx::Database {
+    /// The statement that locks order `$1` until the transaction ends, where
+    /// commands of one order could otherwise interleave.
+    const LOCK_ORDER: Option<&'static str>;
+}
+
+impl OrderDb for sqlx::Postgres {
+    const LOCK_ORDER: Option<&'static str> = Some(LOCK_ORDER_POSTGRES);
+}
+
+impl OrderDb for sqlx::Sqlite {
+    const LOCK_ORDER: Option<&'static str> = None;
+}
+
+/// Reads the command's order and, where the database needs it, locks the order until
+/// the transaction ends. Returns the order's id.
+pub(crate) async fn lock<DB>(
+    conn: &mut DB::Connection,
+    envelope: &Envelope,
+) -> Result<String, StepError>
+where
+    DB: OrderDb,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB> + Default,
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+{
+    let order_id = text(envelope, "order_id")?;
+    if let Some(lock) = DB::LOCK_ORDER {
+        sqlx::query(lock)
+            .bind(order_id.as_str())
+            .execute(&mut *conn)
+            .await
+            .map_err(retryable)?;
+    }
+    Ok(order_id)
+}
 
 /// The payload's field `name`, refused for good when missing: sending the command again
 /// cannot add it.
@@ -49,37 +89,3 @@ pub(crate) fn unknown(participant: &str, kind: &str) -> StepError {
         "the {participant} participant does not handle {kind:?}"
     ))
 }
-
-/// Implements [`StepHandler`](sagabox::step::StepHandler) for `$handler` on PostgreSQL
-/// and SQLite with one body: `$conn` is the guard's transaction, `$envelope` the command,
-/// `$order_id` its order, already locked on PostgreSQL. The statements use `$n`
-/// placeholders, which both databases take.
-macro_rules! on_both_databases {
-    ($handler:ty, |$conn:ident, $envelope:ident, $order_id:ident| $body:block) => {
-        $crate::order::on_both_databases!(@one $handler, sqlx::Postgres, Some($crate::order::LOCK_ORDER_POSTGRES),
-            |$conn, $envelope, $order_id| $body);
-        $crate::order::on_both_databases!(@one $handler, sqlx::Sqlite, None::<&'static str>,
-            |$conn, $envelope, $order_id| $body);
-    };
-    (@one $handler:ty, $db:ty, $lock:expr, |$conn:ident, $envelope:ident, $order_id:ident| $body:block) => {
-        impl sagabox::step::StepHandler<$db> for $handler {
-            async fn handle(
-                &self,
-                $conn: &mut <$db as sqlx::Database>::Connection,
-                $envelope: &sagabox::Envelope,
-            ) -> Result<serde_json::Value, sagabox::step::StepError> {
-                let $order_id = $crate::order::text($envelope, "order_id")?;
-                if let Some(lock) = $lock {
-                    sqlx::query(lock)
-                        .bind(&$order_id)
-                        .execute(&mut *$conn)
-                        .await
-                        .map_err($crate::order::retryable)?;
-                }
-                $body
-            }
-        }
-    };
-}
-
-pub(crate) use on_both_databases;

@@ -1,9 +1,12 @@
 //! The payment participant: `charge` and its compensation `refund`, in
 //! `payment_charges` (an append-only ledger: the inbox is what keeps it exact).
 
-use serde_json::json;
+use sagabox::Envelope;
+use sagabox::step::{StepError, StepHandler};
+use serde_json::{Value, json};
+use sqlx::{ColumnIndex, Decode, Encode, Executor, IntoArguments, Type};
 
-use crate::order::{self, on_both_databases, retryable};
+use crate::order::{self, OrderDb, retryable};
 
 /// The consumer type the payment step deduplicates as, and its queue's suffix.
 pub const CONSUMER: &str = "payment";
@@ -18,62 +21,74 @@ pub const REFUND: &str = "refund";
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Payment;
 
-on_both_databases!(Payment, |conn, envelope, order_id| {
-    match envelope.kind.as_str() {
-        CHARGE => {
-            if envelope
-                .payload
-                .get("decline")
-                .and_then(serde_json::Value::as_bool)
-                == Some(true)
-            {
-                return Err(sagabox::step::StepError::Permanent("card declined".into()));
+impl<DB: OrderDb> StepHandler<DB> for Payment
+where
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB> + Default,
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+    for<'t> i64: Encode<'t, DB> + Decode<'t, DB> + Type<DB>,
+    usize: ColumnIndex<DB::Row>,
+{
+    async fn handle(
+        &self,
+        conn: &mut DB::Connection,
+        envelope: &Envelope,
+    ) -> Result<Value, StepError> {
+        let order_id = order::lock::<DB>(conn, envelope).await?;
+        match envelope.kind.as_str() {
+            CHARGE => {
+                if envelope
+                    .payload
+                    .get("decline")
+                    .and_then(serde_json::Value::as_bool)
+                    == Some(true)
+                {
+                    return Err(StepError::Permanent("card declined".into()));
+                }
+                // A charge that arrives after its refund (a late retry) must not land.
+                let refunded: i64 = sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM payment_charges WHERE order_id = $1 AND kind = 'refund'",
+                )
+                .bind(order_id.as_str())
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(retryable)?;
+                if refunded > 0 {
+                    return Err(StepError::Permanent("order cancelled".into()));
+                }
+                let amount = order::number(envelope, "amount_cents")?;
+                sqlx::query(
+                    "INSERT INTO payment_charges (order_id, amount_cents, kind) VALUES ($1, $2, 'charge')",
+                )
+                .bind(order_id.as_str())
+                .bind(amount)
+                .execute(&mut *conn)
+                .await
+                .map_err(retryable)?;
+                Ok(json!({ "charged_cents": amount }))
             }
-            // A charge that arrives after its refund (a late retry) must not land.
-            let refunded: i64 = sqlx::query_scalar(
-                "SELECT COUNT(*) FROM payment_charges WHERE order_id = $1 AND kind = 'refund'",
-            )
-            .bind(&order_id)
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(retryable)?;
-            if refunded > 0 {
-                return Err(sagabox::step::StepError::Permanent(
-                    "order cancelled".into(),
-                ));
+            REFUND => {
+                let charged: i64 = sqlx::query_scalar(
+                    "SELECT CAST(COALESCE(SUM(amount_cents), 0) AS BIGINT) FROM payment_charges \
+                     WHERE order_id = $1 AND kind = 'charge'",
+                )
+                .bind(order_id.as_str())
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(retryable)?;
+                // Always leave a refund row (0 when nothing was charged): it also blocks a
+                // charge that arrives late.
+                sqlx::query(
+                    "INSERT INTO payment_charges (order_id, amount_cents, kind) VALUES ($1, $2, 'refund')",
+                )
+                .bind(order_id.as_str())
+                .bind(charged)
+                .execute(&mut *conn)
+                .await
+                .map_err(retryable)?;
+                Ok(json!({ "refunded_cents": charged }))
             }
-            let amount = order::number(envelope, "amount_cents")?;
-            sqlx::query(
-                "INSERT INTO payment_charges (order_id, amount_cents, kind) VALUES ($1, $2, 'charge')",
-            )
-            .bind(&order_id)
-            .bind(amount)
-            .execute(&mut *conn)
-            .await
-            .map_err(retryable)?;
-            Ok(json!({ "charged_cents": amount }))
+            other => Err(order::unknown(CONSUMER, other)),
         }
-        REFUND => {
-            let charged: i64 = sqlx::query_scalar(
-                "SELECT CAST(COALESCE(SUM(amount_cents), 0) AS BIGINT) FROM payment_charges \
-                 WHERE order_id = $1 AND kind = 'charge'",
-            )
-            .bind(&order_id)
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(retryable)?;
-            // Always leave a refund row (0 when nothing was charged): it also blocks a
-            // charge that arrives late.
-            sqlx::query(
-                "INSERT INTO payment_charges (order_id, amount_cents, kind) VALUES ($1, $2, 'refund')",
-            )
-            .bind(&order_id)
-            .bind(charged)
-            .execute(&mut *conn)
-            .await
-            .map_err(retryable)?;
-            Ok(json!({ "refunded_cents": charged }))
-        }
-        other => Err(order::unknown(CONSUMER, other)),
     }
-});
+}

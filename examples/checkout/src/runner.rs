@@ -2,30 +2,40 @@
 //! step pools in process or RabbitMQ under the configured faults, with the pruner
 //! beside it, and reads the [`DemoSummary`] from the tables.
 
+use std::collections::HashMap;
+use std::future::Future;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
+use ractor::ActorRef;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use sagabox::clock::Clock;
-use sagabox::database::Backend;
+use sagabox::Schema;
+use sagabox::clock::{Clock, ScaledClock};
 use sagabox::inbox::{InboxConfig, InboxError, InboxGuard};
 use sagabox::logging::redact;
 use sagabox::month::Month;
 use sagabox::orchestrator::{DriveStats, Orchestrator, OrchestratorArguments, OrchestratorMessage};
-use sagabox::pruner::{Maintenance, PrunePass, Pruner, PrunerArguments};
+use sagabox::pruner::{Maintenance, PrunePass, Pruner, PrunerArguments, PrunerMessage};
 use sagabox::saga::{SagaDefinition, SagaInsert, SagaInstance};
+use sagabox::step::StepHandler;
+use sagabox::store::{AnyStore, OnStore, Store};
 use sagabox::supervisor::Supervision;
 use sagabox::testing::FaultyDispatch;
 use serde_json::{Value, json};
+use sqlx::{
+    AssertSqlSafe, ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Type,
+};
+use tokio::task::JoinHandle;
 use uuid::Uuid;
 
+use crate::schema::CheckoutTables;
 use crate::summary::SUMMARY_SQL;
 use crate::{
-    CHECKOUT_TOML, DemoConfig, DemoDispatch, DemoError, DemoSummary, FreshIds, POSTGRES_TABLES,
-    SQLITE_TABLES, Verdict,
+    CHECKOUT_TOML, CheckoutStep, DemoConfig, DemoDispatch, DemoError, DemoSummary, FreshIds,
+    Verdict,
 };
 
 /// Stock keeping units in the demo's inventory.
@@ -68,18 +78,29 @@ DELETE FROM {schema}.sagabox_saga_instances WHERE saga_name = 'checkout';
 /// it as the cause.
 const DEATH_REPORT_WITHIN: Duration = Duration::from_millis(500);
 
-/// One order of the run: what goes into `demo_orders` and the saga's data.
-fn order(rng: &mut StdRng, decline_rate: f64) -> (String, Value) {
-    let order_id = Uuid::now_v7().to_string();
-    let sku = SKUS[rng.random_range(0..SKUS.len())];
-    let quantity: i64 = rng.random_range(1..=3);
-    let amount_cents: i64 = rng.random_range(100..=20_000);
-    let decline = rng.random_bool(decline_rate);
-    let data = json!({
-        "order_id": order_id, "sku": sku, "quantity": quantity,
-        "amount_cents": amount_cents, "decline": decline,
-    });
-    (order_id, data)
+/// How long stopping a run waits for the dispatches still on their way to end.
+const DISPATCH_ENDS_WITHIN: Duration = Duration::from_secs(30);
+
+/// One order of the run: its row in `demo_orders` and its saga's data.
+pub(crate) struct Order {
+    pub(crate) id: String,
+    pub(crate) data: Value,
+}
+
+impl Order {
+    /// A random order: a sku, 1 to 3 of it, an amount, declined at `decline_rate`.
+    pub(crate) fn random(rng: &mut StdRng, decline_rate: f64) -> Self {
+        let id = Uuid::now_v7().to_string();
+        let sku = SKUS[rng.random_range(0..SKUS.len())];
+        let quantity: i64 = rng.random_range(1..=3);
+        let amount_cents: i64 = rng.random_range(100..=20_000);
+        let decline = rng.random_bool(decline_rate);
+        let data = json!({
+            "order_id": id, "sku": sku, "quantity": quantity,
+            "amount_cents": amount_cents, "decline": decline,
+        });
+        Self { id, data }
+    }
 }
 
 /// Stock per sku: about 85 % of the expected demand, so some orders run out.
@@ -88,258 +109,128 @@ fn initial_stock(orders: usize) -> i64 {
     (expected * 0.85).max(1.0) as i64
 }
 
-macro_rules! backend_run {
-    ($name:ident, $store:ty, $db:ty, $tables:expr) => {
-        async fn $name(
-            url: &str,
-            store: $store,
-            config: &DemoConfig,
-        ) -> Result<DemoSummary, DemoError> {
-            let definition = Arc::new(SagaDefinition::from_toml_str(CHECKOUT_TOML)?);
-            let clock = config.clock()?;
-            let guard = InboxGuard::new(store.clone(), InboxConfig::default())
-                .map_err(InboxError::from)?
-                .with_clock(clock);
-            guard.migrate().await?;
-            // Every actor of the run is linked to one supervisor: if one dies, the run
-            // ends with its cause instead of waiting on it. Dropped on any return, it
-            // stops them all.
-            let supervision = Supervision::start()
-                .await
-                .map_err(|e| DemoError::Actor(e.to_string()))?;
-            // The pruner runs as it would beside a deployment; under a fast clock it is
-            // what keeps creating the months ahead and dropping the expired ones.
-            let months_pruned = Arc::new(Mutex::new(Vec::new()));
-            let (pruner, pruner_handle) = supervision.spawn(
-                "pruner",
-                Pruner::new(),
-                PrunerArguments {
-                    maintenance: TalliedMaintenance {
-                        inner: guard.clone(),
-                        dropped: Arc::clone(&months_pruned),
-                    },
-                    interval: config.prune_interval(),
-                },
-            )
-            .await
-            .map_err(|e| DemoError::Actor(e.to_string()))?;
-            let pool = store.pool().clone();
-            sqlx::raw_sql($tables).execute(&pool).await?;
-            // The run's size is stored, so that `resume` can place what a killed run
-            // had not placed yet.
-            let target = if config.resume {
-                let stored: Option<i64> = sqlx::query_scalar("SELECT orders FROM demo_run")
-                    .fetch_optional(&pool)
-                    .await?;
-                let stored = stored.ok_or_else(|| DemoError::NothingToResume { database: redact(url) })?;
-                usize::try_from(stored).unwrap_or(0)
-            } else {
-                // One transaction: a run killed while setting up is either on record,
-                // stocked, or not started at all.
-                let mut tx = pool.begin().await?;
-                sqlx::raw_sql(sqlx::AssertSqlSafe(store.schema().sql(RESET))).execute(&mut *tx).await?;
-                sqlx::query("INSERT INTO demo_run (orders) VALUES ($1)")
-                    .bind(i64::try_from(config.orders).unwrap_or(i64::MAX))
-                    .execute(&mut *tx)
-                    .await?;
-                for sku in SKUS {
-                    let stock = initial_stock(config.orders);
-                    sqlx::query("INSERT INTO inventory (sku, initial, on_hand) VALUES ($1, $2, $2)")
-                        .bind(sku)
-                        .bind(stock)
-                        .execute(&mut *tx)
-                        .await?;
-                }
-                tx.commit().await?;
-                config.orders
-            };
-            let placed: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM demo_orders")
-                .fetch_one(&pool)
-                .await?;
-            let to_place = target.saturating_sub(usize::try_from(placed).unwrap_or(0));
+/// The demo's own SQL, written once for both databases: its tables set up for a run,
+/// an order placed with its saga, the damage figures read back. Implemented for every
+/// database sqlx can bind and decode the demo's values on.
+pub(crate) trait DemoDb: CheckoutTables + Database {
+    /// Creates the demo's tables if missing and, for a fresh run, resets them, records
+    /// the run's size and stocks the inventory; for `resume`, reads the size on record.
+    /// Returns the orders still to place.
+    fn prepare(
+        pool: &Pool<Self>,
+        schema: &Schema,
+        config: &DemoConfig,
+        url: &str,
+    ) -> impl Future<Output = Result<usize, DemoError>> + Send;
 
-            let dispatch = DemoDispatch::start(
-                &guard,
-                clock.clone(),
-                &definition,
-                (config.fail_rate, config.seed ^ 0x5eed),
-                config.transport.as_ref(),
-                &supervision,
-            )
-            .await?;
-            let dispatch = Arc::new(dispatch);
-            let stats = Arc::new(DriveStats::default());
-            let (orchestrator, orchestrator_handle) = supervision.spawn(
-                "orchestrator",
-                Orchestrator::new(),
-                OrchestratorArguments::new(
-                    Arc::clone(&definition),
-                    store.clone(),
-                    Arc::new(
-                        FaultyDispatch::new(
-                            FreshIds::new(Arc::clone(&dispatch), config.no_inbox),
-                            config.duplicate_rate,
-                            config.lost_reply_rate,
-                            config.seed,
-                        )
-                        .map_err(|error| DemoError::Config(error.to_string()))?,
-                    ),
-                )
-                .with_stats(Arc::clone(&stats))
-                .with_clock(Arc::new(clock.clone())),
-            )
-            .await
-            .map_err(|e| DemoError::Actor(e.to_string()))?;
+    /// Inserts the order and its saga in one transaction: no order without its saga.
+    fn place<S: SagaInsert<SagaDb = Self>>(
+        pool: &Pool<Self>,
+        store: &S,
+        order: &Order,
+        saga: &SagaInstance,
+    ) -> impl Future<Output = Result<(), DemoError>> + Send;
 
-            let started = Instant::now();
-            let progress = if config.progress {
-                ProgressBar::new(0)
-            } else {
-                ProgressBar::hidden()
-            };
-            progress.set_style(
-                ProgressStyle::with_template("{spinner} {msg} [{bar:40}] {pos}/{len} sagas ({per_sec})")
-                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
-            );
-            let work = async {
-            let resumed = if config.resume {
-                progress.set_message("resuming");
-                let resumed = ractor::call!(orchestrator, OrchestratorMessage::ResumeAll)
-                    .map_err(|e| DemoError::Actor(e.to_string()))?
-                    .map_err(DemoError::Actor)?;
-                progress.set_length((resumed + to_place) as u64);
-                resumed
-            } else {
-                progress.set_message("checkout");
-                progress.set_length(to_place as u64);
-                0
-            };
-            let permits = Arc::new(tokio::sync::Semaphore::new(config.concurrency));
-            let mut rng = StdRng::seed_from_u64(config.seed);
-            let mut running = tokio::task::JoinSet::new();
-            for _ in 0..to_place {
-                // Reap the sagas already finished: a finished task is kept until joined,
-                // so without this the run's memory would grow with every order placed.
-                while let Some(joined) = running.try_join_next() {
-                    joined.map_err(|e| DemoError::Actor(e.to_string()))??;
-                }
-                let permit = Arc::clone(&permits)
-                    .acquire_owned()
-                    .await
-                    .map_err(|e| DemoError::Actor(e.to_string()))?;
-                let (order_id, data) = order(&mut rng, config.decline_rate);
-                // Saga times come from the run's clock: command ids are derived from them.
-                let saga = SagaInstance::under(&definition, Uuid::now_v7().to_string(), data.clone(), clock.now());
-                // The order and its saga commit together: no order without its saga.
-                let mut tx = pool.begin().await?;
-                sqlx::query("INSERT INTO demo_orders (id, saga_id, sku, quantity, amount_cents) VALUES ($1, $2, $3, $4, $5)")
-                    .bind(&order_id)
-                    .bind(&saga.id)
-                    .bind(data["sku"].as_str())
-                    .bind(data["quantity"].as_i64())
-                    .bind(data["amount_cents"].as_i64())
-                    .execute(&mut *tx)
-                    .await?;
-                guard.store().insert(&mut tx, &saga).await?;
-                tx.commit().await?;
-                let (orchestrator, progress) = (orchestrator.clone(), progress.clone());
-                running.spawn(async move {
-                    let done = ractor::call!(orchestrator, OrchestratorMessage::Run, saga.id);
-                    progress.inc(1);
-                    drop(permit);
-                    done.map_err(|e| DemoError::Actor(e.to_string()))?
-                        .map_err(DemoError::from)
-                });
-            }
-            while let Some(joined) = running.join_next().await {
-                joined.map_err(|e| DemoError::Actor(e.to_string()))??;
-            }
-            if config.resume {
-                ractor::call!(orchestrator, OrchestratorMessage::WhenIdle)
-                    .map_err(|e| DemoError::Actor(e.to_string()))?;
-            }
-            Ok::<_, DemoError>(resumed + to_place)
-            };
-            let finished = tokio::select! {
-                done = work => match done {
-                    Ok(finished) => finished,
-                    // An actor that died makes the calls to it fail: its death is the cause.
-                    // Its report reaches the supervisor just after those calls fail.
-                    Err(error) => {
-                        let died = tokio::time::timeout(DEATH_REPORT_WITHIN, supervision.died()).await;
-                        return Err(died.map_or(error, DemoError::from));
-                    }
-                },
-                died = supervision.died() => return Err(died.into()),
-                failed = dispatch.failed() => return Err(failed),
-            };
-            progress.finish_and_clear();
-            let elapsed = started.elapsed();
-            orchestrator.stop(None);
-            let _ = orchestrator_handle.await;
-            // The orchestrator's state (and its handle on the pools) is gone with it.
-            if let Ok(dispatch) = Arc::try_unwrap(dispatch) {
-                dispatch.stop().await;
-            }
-            pruner.stop(None);
-            let _ = pruner_handle.await;
-            supervision.stop().await;
-            let months_pruned = std::mem::take(
-                &mut *months_pruned.lock().unwrap_or_else(PoisonError::into_inner),
-            );
-            let months_kept = guard.partitions().await?;
-
-            let mut figures = std::collections::HashMap::new();
-            for (name, sql) in SUMMARY_SQL {
-                let value: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(guard.store().schema().sql(sql))).fetch_one(&pool).await?;
-                figures.insert(name, value);
-            }
-            let figure = |name: &str| figures.get(name).copied().unwrap_or_default();
-            let mut summary = DemoSummary {
-                database: redact(url),
-                transport: config
-                    .transport
-                    .as_ref()
-                    .map_or_else(|| "in-process".to_owned(), |transport| redact(&transport.url)),
-                no_inbox: config.no_inbox,
-                orders: figure("orders"),
-                completed: figure("completed"),
-                compensated: figure("compensated"),
-                unfinished: figure("unfinished"),
-                deliveries: stats.deliveries.load(Relaxed),
-                duplicate_replies: stats.duplicates.load(Relaxed),
-                retries: stats.retries.load(Relaxed),
-                double_charges: figure("double_charges"),
-                double_refunds: figure("double_refunds"),
-                double_emails: figure("double_emails"),
-                stock_drift: figure("stock_drift"),
-                unbalanced_refunds: figure("unbalanced_refunds"),
-                elapsed_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
-                sagas_per_sec: finished as f64 / elapsed.as_secs_f64().max(1e-9),
-                clock_speed: config.clock_speed,
-                clock_end: clock.now(),
-                months_pruned: months_pruned.iter().map(Month::to_string).collect(),
-                months_kept: months_kept.iter().map(Month::to_string).collect(),
-                verdict: Verdict::Ok,
-            };
-            summary.verdict = Verdict::of(summary.damage());
-            Ok(summary)
-        }
-    };
+    /// The summary's figures ([`SUMMARY_SQL`]) by name.
+    fn figures(
+        pool: &Pool<Self>,
+        schema: &Schema,
+    ) -> impl Future<Output = Result<HashMap<&'static str, i64>, sqlx::Error>> + Send;
 }
 
-backend_run!(
-    run_postgres,
-    sagabox::PostgresStore,
-    sqlx::Postgres,
-    POSTGRES_TABLES
-);
-backend_run!(
-    run_sqlite,
-    sagabox::SqliteStore,
-    sqlx::Sqlite,
-    SQLITE_TABLES
-);
+impl<DB> DemoDb for DB
+where
+    DB: CheckoutTables + Database,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'c> &'c Pool<DB>: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB> + Default,
+    usize: ColumnIndex<DB::Row>,
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+    for<'t> Option<&'t str>: Encode<'t, DB> + Type<DB>,
+    for<'t> i64: Encode<'t, DB> + Decode<'t, DB> + Type<DB>,
+    for<'t> Option<i64>: Encode<'t, DB> + Type<DB>,
+{
+    async fn prepare(
+        pool: &Pool<DB>,
+        schema: &Schema,
+        config: &DemoConfig,
+        url: &str,
+    ) -> Result<usize, DemoError> {
+        sqlx::raw_sql(DB::TABLES).execute(pool).await?;
+        // The run's size is stored, so that `resume` can place what a killed run had not
+        // placed yet.
+        let target = if config.resume {
+            let stored: Option<i64> = sqlx::query_scalar("SELECT orders FROM demo_run")
+                .fetch_optional(pool)
+                .await?;
+            let stored = stored.ok_or_else(|| DemoError::NothingToResume {
+                database: redact(url),
+            })?;
+            usize::try_from(stored).unwrap_or(0)
+        } else {
+            // One transaction: a run killed while setting up is either on record,
+            // stocked, or not started at all.
+            let mut tx = pool.begin().await?;
+            sqlx::raw_sql(AssertSqlSafe(schema.sql(RESET)))
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query("INSERT INTO demo_run (orders) VALUES ($1)")
+                .bind(i64::try_from(config.orders).unwrap_or(i64::MAX))
+                .execute(&mut *tx)
+                .await?;
+            for sku in SKUS {
+                sqlx::query("INSERT INTO inventory (sku, initial, on_hand) VALUES ($1, $2, $2)")
+                    .bind(sku)
+                    .bind(initial_stock(config.orders))
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            tx.commit().await?;
+            config.orders
+        };
+        let placed: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM demo_orders")
+            .fetch_one(pool)
+            .await?;
+        Ok(target.saturating_sub(usize::try_from(placed).unwrap_or(0)))
+    }
+
+    async fn place<S: SagaInsert<SagaDb = DB>>(
+        pool: &Pool<DB>,
+        store: &S,
+        order: &Order,
+        saga: &SagaInstance,
+    ) -> Result<(), DemoError> {
+        let mut tx = pool.begin().await?;
+        sqlx::query(
+            "INSERT INTO demo_orders (id, saga_id, sku, quantity, amount_cents) \
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(order.id.as_str())
+        .bind(saga.id.as_str())
+        .bind(order.data["sku"].as_str())
+        .bind(order.data["quantity"].as_i64())
+        .bind(order.data["amount_cents"].as_i64())
+        .execute(&mut *tx)
+        .await?;
+        store.insert(&mut tx, saga).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn figures(
+        pool: &Pool<DB>,
+        schema: &Schema,
+    ) -> Result<HashMap<&'static str, i64>, sqlx::Error> {
+        let mut figures = HashMap::new();
+        for (name, sql) in SUMMARY_SQL {
+            let value: i64 = sqlx::query_scalar(AssertSqlSafe(schema.sql(sql)))
+                .fetch_one(pool)
+                .await?;
+            figures.insert(name, value);
+        }
+        Ok(figures)
+    }
+}
 
 /// Runs the checkout demo on the database at `url` (`sqlite:…` or `postgres://…`).
 ///
@@ -357,20 +248,321 @@ pub async fn run(url: &str, config: &DemoConfig) -> Result<DemoSummary, DemoErro
         });
     }
     let connections = u32::try_from(config.concurrency.clamp(4, 64)).unwrap_or(16);
-    match Backend::of(url)? {
-        Backend::Postgres => {
-            let store = sagabox::PostgresStore::connect(url, connections)
-                .await?
-                .with_schema(config.schema.clone());
-            run_postgres(url, store, config).await
-        }
-        Backend::Sqlite => {
-            let store = sagabox::SqliteStore::connect(url, connections.min(8)).await?;
-            run_sqlite(url, store, config).await
-        }
-        #[allow(unreachable_patterns)]
-        _ => Err(InboxError::UnsupportedUrl(redact(url)).into()),
+    AnyStore::connect(url, connections, &config.schema)
+        .await?
+        .run(DemoRun { url, config })
+        .await
+}
+
+/// [`run`]'s work on the store the URL named.
+struct DemoRun<'a> {
+    url: &'a str,
+    config: &'a DemoConfig,
+}
+
+impl<S> OnStore<S> for DemoRun<'_>
+where
+    S: Store,
+    S::Db: DemoDb,
+    CheckoutStep: StepHandler<S::Db>,
+{
+    type Output = Result<DemoSummary, DemoError>;
+
+    async fn run(self, store: S) -> Self::Output {
+        run_on(self.url, store, self.config).await
     }
+}
+
+/// The actors of a run, linked to one supervisor: if one dies, the run ends with its
+/// cause instead of waiting on it.
+struct Actors<S: Store> {
+    supervision: Supervision,
+    pruner: (ActorRef<PrunerMessage>, JoinHandle<()>),
+    orchestrator: (ActorRef<OrchestratorMessage>, JoinHandle<()>),
+    dispatch: Arc<DemoDispatch>,
+    stats: Arc<DriveStats>,
+    months_pruned: Arc<Mutex<Vec<Month>>>,
+    guard: InboxGuard<S>,
+}
+
+impl<S: Store> Actors<S>
+where
+    CheckoutStep: StepHandler<S::Db>,
+{
+    /// Starts the pruner, the steps' dispatch and the orchestrator.
+    async fn start(
+        guard: InboxGuard<S>,
+        definition: &Arc<SagaDefinition>,
+        clock: &ScaledClock,
+        config: &DemoConfig,
+    ) -> Result<Self, DemoError> {
+        let supervision = Supervision::start()
+            .await
+            .map_err(|e| DemoError::Actor(e.to_string()))?;
+        // The pruner runs as it would beside a deployment; under a fast clock it is what
+        // keeps creating the months ahead and dropping the expired ones.
+        let months_pruned = Arc::new(Mutex::new(Vec::new()));
+        let pruner = supervision
+            .spawn(
+                "pruner",
+                Pruner::new(),
+                PrunerArguments {
+                    maintenance: TalliedMaintenance {
+                        inner: guard.clone(),
+                        dropped: Arc::clone(&months_pruned),
+                    },
+                    interval: config.prune_interval(),
+                },
+            )
+            .await
+            .map_err(|e| DemoError::Actor(e.to_string()))?;
+        let dispatch = DemoDispatch::start(
+            &guard,
+            *clock,
+            definition,
+            (config.fail_rate, config.seed ^ 0x5eed),
+            config.transport.as_ref(),
+            &supervision,
+        )
+        .await?;
+        let dispatch = Arc::new(dispatch);
+        let faulty = FaultyDispatch::new(
+            FreshIds::new(Arc::clone(&dispatch), config.no_inbox),
+            config.duplicate_rate,
+            config.lost_reply_rate,
+            config.seed,
+        )
+        .map_err(|error| DemoError::Config(error.to_string()))?;
+        let stats = Arc::new(DriveStats::default());
+        let orchestrator = supervision
+            .spawn(
+                "orchestrator",
+                Orchestrator::new(),
+                OrchestratorArguments::new(
+                    Arc::clone(definition),
+                    guard.store().clone(),
+                    Arc::new(faulty),
+                )
+                .with_stats(Arc::clone(&stats))
+                .with_clock(Arc::new(*clock)),
+            )
+            .await
+            .map_err(|e| DemoError::Actor(e.to_string()))?;
+        Ok(Self {
+            supervision,
+            pruner,
+            orchestrator,
+            dispatch,
+            stats,
+            months_pruned,
+            guard,
+        })
+    }
+
+    /// Stops every actor, the orchestrator first, and returns the months the pruner
+    /// dropped.
+    async fn stop(self) -> Vec<Month> {
+        let (orchestrator, orchestrator_handle) = self.orchestrator;
+        orchestrator.stop(None);
+        let _ = orchestrator_handle.await;
+        // The orchestrator's state (and its handle on the dispatch) is gone with it; a
+        // dispatch still on its way (its task ends at the step's timeout at the latest)
+        // holds another handle until it ends.
+        let mut dispatch = self.dispatch;
+        let deadline = Instant::now() + DISPATCH_ENDS_WITHIN;
+        loop {
+            match Arc::try_unwrap(dispatch) {
+                Ok(alone) => {
+                    alone.stop().await;
+                    break;
+                }
+                Err(shared) if Instant::now() < deadline => {
+                    dispatch = shared;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        "the steps' dispatch is still in use {DISPATCH_ENDS_WITHIN:?} after the \
+                         orchestrator stopped: its participants stop with the process"
+                    );
+                    break;
+                }
+            }
+        }
+        let (pruner, pruner_handle) = self.pruner;
+        pruner.stop(None);
+        let _ = pruner_handle.await;
+        self.supervision.stop().await;
+        std::mem::take(
+            &mut *self
+                .months_pruned
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        )
+    }
+}
+
+/// [`run`] on a store of one database type.
+async fn run_on<S>(url: &str, store: S, config: &DemoConfig) -> Result<DemoSummary, DemoError>
+where
+    S: Store,
+    S::Db: DemoDb,
+    CheckoutStep: StepHandler<S::Db>,
+{
+    let definition = Arc::new(SagaDefinition::from_toml_str(CHECKOUT_TOML)?);
+    let clock = config.clock()?;
+    let guard = InboxGuard::new(store.clone(), InboxConfig::default())
+        .map_err(InboxError::from)?
+        .with_clock(clock);
+    guard.migrate().await?;
+    let pool = Store::pool(&store).clone();
+    let to_place = S::Db::prepare(&pool, store.schema(), config, url).await?;
+    // Dropped on any return, the supervisor stops every actor of the run.
+    let actors = Actors::start(guard, &definition, &clock, config).await?;
+    let started = Instant::now();
+    let work = place_and_finish(&pool, &actors, &definition, &clock, config, to_place);
+    let finished = tokio::select! {
+        done = work => match done {
+            Ok(finished) => finished,
+            // An actor that died makes the calls to it fail: its death is the cause. Its
+            // report reaches the supervisor just after those calls fail.
+            Err(error) => {
+                let died = tokio::time::timeout(DEATH_REPORT_WITHIN, actors.supervision.died()).await;
+                return Err(died.map_or(error, DemoError::from));
+            }
+        },
+        died = actors.supervision.died() => return Err(died.into()),
+        failed = actors.dispatch.failed() => return Err(failed),
+    };
+    let elapsed = started.elapsed();
+    let stats = Arc::clone(&actors.stats);
+    let guard = actors.guard.clone();
+    let months_pruned = actors.stop().await;
+    let months_kept = guard.partitions().await?;
+    let figures = S::Db::figures(&pool, store.schema()).await?;
+    let figure = |name: &str| figures.get(name).copied().unwrap_or_default();
+    let mut summary = DemoSummary {
+        database: redact(url),
+        transport: config.transport.as_ref().map_or_else(
+            || "in-process".to_owned(),
+            |transport| redact(&transport.url),
+        ),
+        no_inbox: config.no_inbox,
+        orders: figure("orders"),
+        completed: figure("completed"),
+        compensated: figure("compensated"),
+        unfinished: figure("unfinished"),
+        deliveries: stats.deliveries.load(Relaxed),
+        duplicate_replies: stats.duplicates.load(Relaxed),
+        retries: stats.retries.load(Relaxed),
+        double_charges: figure("double_charges"),
+        double_refunds: figure("double_refunds"),
+        double_emails: figure("double_emails"),
+        stock_drift: figure("stock_drift"),
+        unbalanced_refunds: figure("unbalanced_refunds"),
+        elapsed_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
+        sagas_per_sec: finished as f64 / elapsed.as_secs_f64().max(1e-9),
+        clock_speed: config.clock_speed,
+        clock_end: clock.now(),
+        months_pruned: months_pruned.iter().map(Month::to_string).collect(),
+        months_kept: months_kept.iter().map(Month::to_string).collect(),
+        verdict: Verdict::Ok,
+    };
+    summary.verdict = Verdict::of(summary.damage());
+    Ok(summary)
+}
+
+/// Resumes the run's unfinished sagas (with `resume`), places `to_place` orders with
+/// at most `concurrency` sagas in flight, and waits for every saga to finish. Returns
+/// how many finished.
+async fn place_and_finish<S>(
+    pool: &Pool<S::Db>,
+    actors: &Actors<S>,
+    definition: &SagaDefinition,
+    clock: &ScaledClock,
+    config: &DemoConfig,
+    to_place: usize,
+) -> Result<usize, DemoError>
+where
+    S: Store,
+    S::Db: DemoDb,
+{
+    let orchestrator = &actors.orchestrator.0;
+    let progress = progress_bar(config.progress);
+    let resumed = if config.resume {
+        progress.set_message("resuming");
+        let resumed = ractor::call!(orchestrator, OrchestratorMessage::ResumeAll)
+            .map_err(|e| DemoError::Actor(e.to_string()))?
+            .map_err(DemoError::Actor)?;
+        progress.set_length((resumed + to_place) as u64);
+        resumed
+    } else {
+        progress.set_message("checkout");
+        progress.set_length(to_place as u64);
+        0
+    };
+    let permits = Arc::new(tokio::sync::Semaphore::new(config.concurrency));
+    let mut rng = StdRng::seed_from_u64(config.seed);
+    let mut running = tokio::task::JoinSet::new();
+    let placing_since = tokio::time::Instant::now();
+    for placed in 0..to_place {
+        if let Some(pace) = config.pace {
+            let due = Duration::from_secs_f64(placed as f64 / pace);
+            tokio::time::sleep_until(placing_since + due).await;
+        }
+        // Reap the sagas already finished: a finished task is kept until joined, so
+        // without this the run's memory would grow with every order placed.
+        while let Some(joined) = running.try_join_next() {
+            joined.map_err(|e| DemoError::Actor(e.to_string()))??;
+        }
+        let permit = Arc::clone(&permits)
+            .acquire_owned()
+            .await
+            .map_err(|e| DemoError::Actor(e.to_string()))?;
+        let order = Order::random(&mut rng, config.decline_rate);
+        // Saga times come from the run's clock: command ids are derived from them.
+        let saga = SagaInstance::under(
+            definition,
+            Uuid::now_v7().to_string(),
+            order.data.clone(),
+            clock.now(),
+        );
+        let (orchestrator, progress) = (orchestrator.clone(), progress.clone());
+        let (pool, store) = (pool.clone(), actors.guard.store().clone());
+        // Placed in the saga's own task: placed one after another, the orders' commits
+        // would bound the run to one commit at a time.
+        running.spawn(async move {
+            S::Db::place(&pool, &store, &order, &saga).await?;
+            let done = ractor::call!(orchestrator, OrchestratorMessage::Run, saga.id);
+            progress.inc(1);
+            drop(permit);
+            done.map_err(|e| DemoError::Actor(e.to_string()))?
+                .map_err(DemoError::from)
+        });
+    }
+    while let Some(joined) = running.join_next().await {
+        joined.map_err(|e| DemoError::Actor(e.to_string()))??;
+    }
+    if config.resume {
+        ractor::call!(orchestrator, OrchestratorMessage::WhenIdle)
+            .map_err(|e| DemoError::Actor(e.to_string()))?;
+    }
+    progress.finish_and_clear();
+    Ok(resumed + to_place)
+}
+
+/// The run's progress bar, hidden unless asked for.
+fn progress_bar(shown: bool) -> ProgressBar {
+    let progress = if shown {
+        ProgressBar::new(0)
+    } else {
+        ProgressBar::hidden()
+    };
+    progress.set_style(
+        ProgressStyle::with_template("{spinner} {msg} [{bar:40}] {pos}/{len} sagas ({per_sec})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    progress
 }
 
 #[cfg(test)]
@@ -394,6 +586,13 @@ mod tests {
             ..DemoConfig::default()
         };
         assert!(forever.validate().is_err());
+        for pace in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let unpaced = DemoConfig {
+                pace: Some(pace),
+                ..DemoConfig::default()
+            };
+            assert!(unpaced.validate().is_err(), "{pace}");
+        }
         assert!(DemoConfig::default().validate().is_ok());
     }
 

@@ -36,3 +36,17 @@ CREATE INDEX IF NOT EXISTS emails_sent_order ON emails_sent (order_id);
 CREATE TABLE IF NOT EXISTS demo_run (singleton BOOLEAN PRIMARY KEY DEFAULT TRUE CHECK (singleton),
     orders BIGINT NOT NULL);
 ";
+
+/// The checkout participants' tables in a database's dialect.
+pub trait CheckoutTables {
+    /// The statements that create them if missing.
+    const TABLES: &'static str;
+}
+
+impl CheckoutTables for sqlx::Postgres {
+    const TABLES: &'static str = POSTGRES_TABLES;
+}
+
+impl CheckoutTables for sqlx::Sqlite {
+    const TABLES: &'static str = SQLITE_TABLES;
+}

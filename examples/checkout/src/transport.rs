@@ -9,18 +9,19 @@ use std::time::Duration;
 use sagabox::clock::Clock;
 use sagabox::envelope::ConsumerType;
 use sagabox::inbox::{InboxConfig, InboxGuard};
+use sagabox::logging::redact;
 use sagabox::orchestrate::{OrchestrateConfig, orchestrate};
 use sagabox::orchestrator::{Dispatch, InProcess};
 use sagabox::participant::{PrunerSettings, StepOptions};
-use sagabox::relay::RelayConfig;
+use sagabox::relay::{OutboxSource, Relay, RelayArguments, RelayConfig, RelayMessage};
 use sagabox::saga::{SagaDefinition, SagaStore};
 use sagabox::step::{StepFailure, StepHandler, StepPool, StepPoolConfig, StepReply};
-use sagabox::store::InboxStore;
+use sagabox::store::{AnyStore, InboxStore, OnStore, Store};
 use sagabox::supervisor::Supervision;
 use sagabox::transport::{Dispatcher, Transport};
 use sagabox::{Envelope, Participant, ParticipantHandle};
 
-use crate::{CheckoutStep, DemoError, FailAfterWrite};
+use crate::{CheckoutStep, CheckoutTables, DemoError, FailAfterWrite};
 
 /// The log target of `serve`'s lifecycle lines (up, stopping, stopped), which
 /// the default log filter of the `sagabox` command shows at `info`.
@@ -247,8 +248,6 @@ pub async fn serve(
     config: ServeConfig,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), DemoError> {
-    use sagabox::database::Backend;
-    use sagabox::logging::redact;
     if !(0.0..1.0).contains(&config.fail_rate) {
         return Err(DemoError::Config(format!(
             "--fail-rate must be within 0..1, got {}",
@@ -271,25 +270,40 @@ pub async fn serve(
         .unwrap_or(32)
         .min(64)
     });
-    match Backend::of(url)? {
-        Backend::Postgres => {
-            let store = sagabox::PostgresStore::connect(url, connections)
-                .await?
-                .with_schema(config.schema.clone());
-            sqlx::raw_sql(crate::POSTGRES_TABLES)
-                .execute(store.pool())
-                .await?;
-            serve_on(store, &redact(url), config, shutdown).await
-        }
-        Backend::Sqlite => {
-            let store = sagabox::SqliteStore::connect(url, connections.min(8)).await?;
-            sqlx::raw_sql(crate::SQLITE_TABLES)
-                .execute(store.pool())
-                .await?;
-            serve_on(store, &redact(url), config, shutdown).await
-        }
-        #[allow(unreachable_patterns)]
-        _ => Err(sagabox::InboxError::UnsupportedUrl(redact(url)).into()),
+    AnyStore::connect(url, connections, &config.schema)
+        .await?
+        .run(Serve {
+            database: redact(url),
+            config,
+            shutdown,
+        })
+        .await
+}
+
+/// [`serve`]'s work on the store the URL named.
+struct Serve<F> {
+    database: String,
+    config: ServeConfig,
+    shutdown: F,
+}
+
+impl<S, F> OnStore<S> for Serve<F>
+where
+    S: Store + OutboxSource<Db = <S as InboxStore>::Db>,
+    <S as InboxStore>::Db: CheckoutTables,
+    for<'c> &'c mut <<S as InboxStore>::Db as sqlx::Database>::Connection:
+        sqlx::Executor<'c, Database = <S as InboxStore>::Db>,
+    Relay<S>: ractor::Actor<Msg = RelayMessage, Arguments = RelayArguments<S>>,
+    CheckoutStep: StepHandler<<S as InboxStore>::Db>,
+    F: Future<Output = ()> + Send,
+{
+    type Output = Result<(), DemoError>;
+
+    async fn run(self, store: S) -> Self::Output {
+        sqlx::raw_sql(<<S as InboxStore>::Db as CheckoutTables>::TABLES)
+            .execute(Store::pool(&store))
+            .await?;
+        serve_on(store, &self.database, self.config, self.shutdown).await
     }
 }
 
@@ -340,11 +354,8 @@ async fn serve_on<S>(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), DemoError>
 where
-    S: InboxStore + SagaStore + sagabox::relay::OutboxSource + Clone,
-    sagabox::relay::Relay<S>: ractor::Actor<
-            Msg = sagabox::relay::RelayMessage,
-            Arguments = sagabox::relay::RelayArguments<S>,
-        >,
+    S: InboxStore + SagaStore + OutboxSource + Clone,
+    Relay<S>: ractor::Actor<Msg = RelayMessage, Arguments = RelayArguments<S>>,
     CheckoutStep: StepHandler<<S as InboxStore>::Db>,
 {
     let definition = SagaDefinition::from_toml_str(crate::CHECKOUT_TOML)?;

@@ -186,3 +186,22 @@ mod failed_run {
         );
     }
 }
+
+/// A paced run places its orders no faster than its pace: ten orders at ten a second
+/// take at least the nine gaps between them (unpaced, they finish in a fraction of that).
+#[tokio::test]
+async fn a_paced_run_places_its_orders_no_faster_than_its_pace() {
+    let fx = common::Pg::new().await;
+    let config = DemoConfig {
+        orders: 10,
+        pace: Some(10.0),
+        ..DemoConfig::default()
+    };
+    let started = Instant::now();
+    let summary = run(&fx.url, &config).await.unwrap();
+    assert_eq!(summary.completed + summary.compensated, 10);
+    assert!(
+        started.elapsed() >= Duration::from_millis(900) && summary.elapsed_ms >= 900,
+        "placed faster than 10 a second: {summary:?}"
+    );
+}

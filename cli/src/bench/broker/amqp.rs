@@ -65,12 +65,7 @@ pub(super) async fn drains(
     };
     let outcome = async {
         for (_, name) in MODES {
-            sagabox::amqp::declare(
-                queues.publisher.channel(),
-                &config,
-                &ConsumerType::new(name)?,
-            )
-            .await?;
+            sagabox::amqp::declare(&broker, &config, &ConsumerType::new(name)?).await?;
         }
         let (handwritten, hand) = measure(
             &queues,
