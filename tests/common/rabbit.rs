@@ -6,7 +6,9 @@
 
 use std::sync::Mutex;
 
-use lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::options::{
+    BasicGetOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use sagabox::ConsumerType;
@@ -59,6 +61,12 @@ impl Rabbit {
                 )
             });
         let channel = connection.create_channel().await.expect("channel");
+        // Confirms, so that a message published here is in its queue when the publish
+        // returns: a test that reads the queue next, over another connection, sees it.
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirm mode");
         let prefix = format!("sagabox-test-{}", uuid::Uuid::new_v4().simple());
         let config = AmqpConfig::new(url).with_queue_prefix(prefix);
         let mut queues = Vec::new();
@@ -133,7 +141,8 @@ impl Rabbit {
 
     /// Publishes raw bytes to `queue` as a plain AMQP client would.
     pub async fn publish_raw(&self, queue: &str, body: &[u8], properties: BasicProperties) {
-        self.channel
+        let confirmation = self
+            .channel
             .basic_publish(
                 "".into(),
                 queue.into(),
@@ -145,6 +154,7 @@ impl Rabbit {
             .expect("publish")
             .await
             .expect("confirm");
+        assert!(confirmation.is_ack(), "the broker refused a message to {queue}");
     }
 
     /// Consumers subscribed to `queue` (0 if it does not exist yet).
