@@ -6,7 +6,8 @@
 //! - One [`Orchestrator`] actor per definition, all linked to one [`Supervision`]: an
 //!   actor that dies ends the service with its cause.
 //! - Step commands go to `<prefix>.<consumer_type>` and replies come back on a private
-//!   queue or subject ([`Dispatcher`]), deduplicated as the consumer type `orchestrator`.
+//!   queue or subject ([`Dispatcher`]), `<prefix>.orchestrator.replies.<uuid>`; each saga's
+//!   row records the answers its driver took.
 //! - Sagas start from **start messages** on `<prefix>.<saga>.start` (see
 //!   [`start_queue`]): an envelope whose `kind` is the saga's name, whose `payload` is the
 //!   saga's data, with no `saga_id`. The saga's id is derived from the message id, so a
@@ -17,10 +18,11 @@
 //!   message's id — the same answer to every delivery of it.
 //! - Every `resume_interval`, each orchestrator resumes the unfinished sagas of its
 //!   definition: after a crash, a restart finishes what the last process left.
-//! - With a [`pruner`](OrchestrateConfig::pruner), the orchestrators' inbox is kept
-//!   by the same [`Pruner`] a participant runs: months created ahead, months older than
-//!   the inbox's TTL dropped. Without one, a process sharing the database must prune it
-//!   (a participant's pruner, or `sagabox prune`).
+//! - The orchestrator writes no inbox rows: a start message is deduplicated by its saga's
+//!   id, a reply by its saga's row. With a [`pruner`](OrchestrateConfig::pruner), the
+//!   inbox table of the database it migrates is kept by the same [`Pruner`] a
+//!   participant runs (months created ahead, months older than the inbox's TTL
+//!   dropped), for the participants that share that database.
 
 use std::collections::BTreeSet;
 use std::future::Future;
@@ -45,7 +47,7 @@ use crate::transport::{self, Dispatcher, Transport, TransportError};
 /// The kind of the answer to a start message.
 pub const STARTED_KIND: &str = "saga_started";
 
-/// The consumer type the orchestrator's replies are deduplicated as.
+/// The name the orchestrator's private reply queues and subjects carry.
 pub const ORCHESTRATOR_CONSUMER: &str = "orchestrator";
 
 /// How long a start message waits for its orchestrator before it is requeued.
@@ -67,16 +69,18 @@ pub struct OrchestrateConfig {
     /// sensible value); `None` keeps it forever. When set, one orchestrator process at a
     /// time (the holder of the maintenance lock) prunes it every hour.
     pub history_retention: Option<Duration>,
-    /// The orchestrators' inbox (their start messages and step replies): its TTL, and
-    /// whether a broker that keeps messages longer may run anyway
-    /// ([`InboxConfig::with_ttl_below_retention_allowed`]). A JetStream stream's
-    /// `max_age` is checked against it before consuming; a RabbitMQ queue's retention
-    /// is checked against the inbox its [`AmqpConfig::retention_check`](crate::amqp::AmqpConfig::retention_check)
-    /// names. [`InboxConfig::default`] suits most.
+    /// The inbox settings of the database the orchestrators migrate (they write no
+    /// inbox rows themselves): the TTL its pruner drops months by, the months made
+    /// ahead, and whether a broker that keeps start messages longer than the TTL may run
+    /// anyway ([`InboxConfig::with_ttl_below_retention_allowed`]). A JetStream start
+    /// stream's `max_age` is checked against it before consuming; a RabbitMQ queue's
+    /// retention is checked against the inbox its
+    /// [`AmqpConfig::retention_check`](crate::amqp::AmqpConfig::retention_check) names.
+    /// [`InboxConfig::default`] suits most.
     pub inbox: InboxConfig,
-    /// Runs a [`Pruner`] over the orchestrators' inbox, by `inbox`'s TTL and
-    /// `partitions_ahead`; several processes take turns through the maintenance lock.
-    /// `None` leaves the inbox to another process sharing the database.
+    /// Runs a [`Pruner`] over the inbox table of the database, by `inbox`'s TTL and
+    /// `partitions_ahead`, for the participants that share it; several processes take
+    /// turns through the maintenance lock. `None` leaves it to another process.
     pub pruner: Option<PrunerSettings>,
 }
 
@@ -161,7 +165,7 @@ where
     // The broker first: a broker out of reach then fails the start before any actor
     // exists that would have to be stopped.
     let dispatch =
-        Arc::new(Dispatcher::connect(&config.transport, guard.clone(), orchestrator).await?);
+        Arc::new(Dispatcher::connect(&config.transport, orchestrator).await?);
     let supervision = match Supervision::start().await {
         Ok(supervision) => supervision,
         Err(error) => {
@@ -302,7 +306,7 @@ where
     Ok(())
 }
 
-/// Starts the pruner of the orchestrators' inbox under `supervision`.
+/// Starts the pruner of the database's inbox table under `supervision`.
 async fn spawn_pruner<S: InboxStore>(
     supervision: &Supervision,
     guard: InboxGuard<S>,

@@ -139,6 +139,14 @@ pub enum OrchestratorMessage {
     /// Drive this instance and answer when its driver has finished: `Ok` once the saga
     /// reached a terminal state or was left for an operator, `Err` if its driver crashed.
     Run(String, RpcReplyPort<Result<(), DriveError>>),
+    /// [`Run`](Self::Run) for a saga the caller has just stored (with
+    /// [`SagaInsert::insert`](crate::saga::SagaInsert::insert), in its own transaction):
+    /// the driver starts from this copy instead of reading the row back, a database
+    /// round trip less per saga. The copy must be the row as stored, version included;
+    /// one that another driver has moved on from since is caught by the first save's
+    /// version check and reloaded (the command it sent again is answered by the step's
+    /// inbox).
+    RunStored(Box<SagaInstance>, RpcReplyPort<Result<(), DriveError>>),
     /// Start the saga that the start message asks for unless it was started already
     /// (the message's id decides; [`SagaInstance::from_start`] gives the envelope's
     /// shape), drive it, and answer its id once it is stored. Send the same message again
@@ -265,6 +273,7 @@ impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
         state: &mut OrchestratorState<St, D>,
         id: String,
         waiter: Option<RpcReplyPort<Result<(), DriveError>>>,
+        stored: Option<SagaInstance>,
     ) {
         if let Some(waiters) = state.in_flight.get_mut(&id) {
             // Already being driven: never two drivers for one saga.
@@ -287,7 +296,7 @@ impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
         let task = tokio::spawn(async move {
             // A driver that panics must still end its saga's entry: otherwise whoever
             // waits on the saga (`Run`, `WhenIdle`) would wait forever.
-            let ended = AssertUnwindSafe(driver.drive(&id).instrument(span))
+            let ended = AssertUnwindSafe(driver.drive(&id, stored).instrument(span))
                 .catch_unwind()
                 .await
                 .map_err(|panic| DriveError::Panicked {
@@ -318,13 +327,14 @@ impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
                 message_id: start.id.clone(),
                 source,
             })?;
-        let id = started.saga.id;
+        let id = started.saga.id.clone();
         if !started.created {
             tracing::debug!(saga_id = %id, message_id = %start.id, "start message seen before; its saga goes on");
         }
-        // A finished saga's driver loads it and ends at once: no need to tell it apart here.
+        // A finished saga's driver ends at once: no need to tell it apart here. The
+        // saga as the store just wrote or read it is where its driver starts.
         if !state.crashed.contains(&id) {
-            Self::start(myself, state, id.clone(), None);
+            Self::start(myself, state, id.clone(), None, Some(started.saga));
         }
         Ok(id)
     }
@@ -378,11 +388,15 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
         match message {
             OrchestratorMessage::Drive(id) => {
                 state.crashed.remove(&id);
-                Self::start(&myself, state, id, None);
+                Self::start(&myself, state, id, None, None);
             }
             OrchestratorMessage::Run(id, reply) => {
                 state.crashed.remove(&id);
-                Self::start(&myself, state, id, Some(reply));
+                Self::start(&myself, state, id, Some(reply), None);
+            }
+            OrchestratorMessage::RunStored(saga, reply) => {
+                state.crashed.remove(&saga.id);
+                Self::start(&myself, state, saga.id.clone(), Some(reply), Some(*saga));
             }
             OrchestratorMessage::Start(start, reply) => {
                 let started = Self::start_saga(&myself, state, &start).await;
@@ -395,7 +409,7 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
                         let mut count = 0;
                         for id in ids {
                             if !state.crashed.contains(&id) {
-                                Self::start(&myself, state, id, None);
+                                Self::start(&myself, state, id, None, None);
                                 count += 1;
                             }
                         }
@@ -463,10 +477,15 @@ enum Saved {
 
 impl<St: SagaStore, D: Dispatch> Driver<St, D> {
     /// Drives saga `id` until it is finished, parked or gone: performs what the state
-    /// machine ([`machine`]) decides.
-    async fn drive(&self, id: &str) {
+    /// machine ([`machine`]) decides. Starts from `stored` when given (the row as its
+    /// caller just stored it), else from the row read now.
+    async fn drive(&self, id: &str, stored: Option<SagaInstance>) {
         let mut rng = StdRng::seed_from_u64(seed_of(id));
-        let Some(mut saga) = self.load(id).await else {
+        let stored = match stored {
+            Some(saga) => Some(saga),
+            None => self.load(id).await,
+        };
+        let Some(mut saga) = stored else {
             tracing::warn!(saga_id = id, "no such saga instance; nothing to drive");
             return;
         };

@@ -1,13 +1,17 @@
 //! A step's reply, on any transport: [`reply_envelope`] builds it with a stable id
-//! derived from the command's, and the dispatch's waiters get each reply that passed the
-//! orchestrator's inbox to whoever waits for its command.
+//! derived from the command's, and the dispatch's waiters get each reply to whoever
+//! waits for its command.
 //!
 //! The reply's id is derived from the command's ([`MessageId::derived`]), so a command
-//! redelivered after a crash produces the same reply message; replies pass the
-//! orchestrator's own inbox, which answers a repeated reply with the first one's record.
+//! redelivered after a crash produces the same reply message, and its answer is the
+//! step's inbox record, so every copy of a reply says the same. Replies therefore pass
+//! no inbox of their own: the saga's row is the orchestrator's record of them. A reply
+//! is applied by the driver that waits for its command, in the saga's save, whose
+//! version check lets one answer per attempt through; a copy that comes when nobody
+//! waits is dropped, and one that answers a resend of the same command says what the
+//! first said.
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -16,10 +20,8 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use crate::delivery::Disposition;
-use crate::envelope::{ConsumerType, Envelope, MessageId};
-use crate::inbox::{GuardError, InboxGuard, Outcome};
+use crate::envelope::{Envelope, MessageId};
 use crate::step::{StepFailure, StepOutcome, StepPool, StepReply};
-use crate::store::InboxStore;
 use crate::trace;
 
 /// The kind of a step's reply message.
@@ -189,40 +191,16 @@ impl Waiters {
     }
 }
 
-/// Passes a reply through the orchestrator's inbox and hands the (first) answer to
-/// whoever waits for its command.
-pub(crate) async fn take_reply<S: InboxStore>(
-    guard: &InboxGuard<S>,
-    consumer_type: &ConsumerType,
-    waiters: &Waiters,
-    reply: Envelope,
-) -> Disposition {
-    let processed = guard
-        .process(consumer_type, &reply, async |_conn, reply| {
-            Ok::<_, Infallible>(reply.payload.clone())
-        })
-        .await;
-    // A repeated reply carries the first reply's answer (the inbox record); whether the
-    // step saw this delivery as a duplicate is this reply's own news.
-    let (record, this_duplicate) = match processed {
-        Ok(Outcome::Applied(record)) => (record, None),
-        Ok(Outcome::Duplicate { result, .. }) => (
-            result,
-            reply.payload.get("duplicate").and_then(Value::as_bool),
-        ),
-        Err(GuardError::Inbox(error)) if error.is_retryable() => {
-            return Disposition::Retry(error.to_string());
-        }
-        Err(error) => return Disposition::Reject(error.to_string()),
-    };
-    let Some((command_id, mut answer)) = read_reply(&record) else {
+/// Hands a reply's answer to whoever waits for its command; a reply nobody waits for
+/// (its saga moved on, or its waiter gave up) is dropped. Settles it as done, or
+/// dead-letters a payload that is not a step reply.
+pub(crate) fn take_reply(waiters: &Waiters, reply: &Envelope) -> Disposition {
+    let Some((command_id, answer)) = read_reply(&reply.payload) else {
         return Disposition::Reject(format!(
-            "the reply's payload is not a step reply (command_id, outcome, duplicate): {record}"
+            "the reply's payload is not a step reply (command_id, outcome, duplicate): {}",
+            reply.payload
         ));
     };
-    if let Some(duplicate) = this_duplicate {
-        answer.duplicate = duplicate;
-    }
     waiters.answer(&command_id, &answer);
     Disposition::Done { reply: None }
 }
@@ -246,5 +224,33 @@ mod tests {
         let (command_id, read) = read_reply(&first.payload).unwrap();
         assert_eq!(command_id, command.id.as_str());
         assert_eq!(read, reply);
+    }
+
+    #[tokio::test]
+    async fn a_reply_answers_every_send_of_its_command_and_a_late_copy_nobody() {
+        let waiters = Waiters::default();
+        let command = Envelope::new(MessageId::new_v7(), "charge", json!({})).unwrap();
+        let (first, second) = (waiters.register(&command.id), waiters.register(&command.id));
+        let answer = StepReply {
+            outcome: StepOutcome::Done(json!({"charged": 700})),
+            duplicate: false,
+        };
+        let reply = reply_envelope(&command, &answer);
+        assert_eq!(take_reply(&waiters, &reply), Disposition::Done { reply: None });
+        assert_eq!(first.await.unwrap(), answer);
+        assert_eq!(second.await.unwrap(), answer);
+        // A second copy of the reply: nobody waits any more, it is settled and dropped.
+        assert_eq!(take_reply(&waiters, &reply), Disposition::Done { reply: None });
+        assert!(waiters.0.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_reply_that_is_not_a_step_reply_is_dead_lettered() {
+        let waiters = Waiters::default();
+        let reply = Envelope::new(MessageId::new_v7(), REPLY_KIND, json!({"charged": 1})).unwrap();
+        assert!(matches!(
+            take_reply(&waiters, &reply),
+            Disposition::Reject(reason) if reason.contains("not a step reply")
+        ));
     }
 }

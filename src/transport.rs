@@ -18,12 +18,11 @@ use std::time::Duration;
 use crate::amqp::{self, AmqpConfig, AmqpDispatch, AmqpError};
 use crate::delivery::DeliveryHandler;
 use crate::envelope::{ConsumerType, KeyError};
-use crate::inbox::{InboxConfig, InboxGuard};
+use crate::inbox::InboxConfig;
 #[cfg(feature = "nats")]
 use crate::nats::{self, NatsConfig, NatsDispatch, NatsError};
 use crate::orchestrator::Dispatch;
 use crate::step::{StepFailure, StepPool, StepReply};
-use crate::store::InboxStore;
 
 use crate::consumer::ConsumerHandle;
 pub use sender::{Sender, Sent};
@@ -301,21 +300,20 @@ impl BrokerDispatch for NatsDispatch {
 }
 
 impl Dispatcher {
-    /// Connects, and starts taking replies through `guard` as `consumer_type` (the
-    /// orchestrator's inbox).
-    pub async fn connect<S: InboxStore>(
+    /// Connects, and starts taking replies on a private queue or subject named after
+    /// `consumer_type`.
+    pub async fn connect(
         transport: &Transport,
-        guard: InboxGuard<S>,
         consumer_type: ConsumerType,
     ) -> Result<Self, TransportError> {
         let dispatch: Box<dyn BrokerDispatch> = match transport {
             #[cfg(feature = "rabbitmq")]
             Transport::Amqp(config) => {
-                Box::new(AmqpDispatch::connect(config.clone(), guard, consumer_type).await?)
+                Box::new(AmqpDispatch::connect(config.clone(), consumer_type).await?)
             }
             #[cfg(feature = "nats")]
             Transport::Nats(config) => {
-                Box::new(NatsDispatch::connect(config.clone(), guard, consumer_type).await?)
+                Box::new(NatsDispatch::connect(config.clone(), consumer_type).await?)
             }
         };
         Ok(Dispatcher(dispatch))

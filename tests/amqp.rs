@@ -560,7 +560,6 @@ async fn the_orchestrator_reaches_a_step_through_the_broker_and_repeats_get_the_
     let dispatch = Arc::new(
         AmqpDispatch::connect(
             rabbit.config.clone(),
-            guard.clone(),
             ConsumerType::new("orchestrator").unwrap(),
         )
         .await
@@ -679,12 +678,11 @@ async fn a_command_whose_reply_is_refused_is_handed_back_and_delivered_again() {
 async fn a_dispatch_whose_broker_stops_answering_fails_within_its_timeout() {
     use common::proxy::FaultProxy;
 
-    let (pg, rabbit) = (Pg::new().await, Rabbit::new(&["payment"]).await);
-    let guard = InboxGuard::new(pg.store(4).await, InboxConfig::default()).unwrap();
+    let rabbit = Rabbit::new(&["payment"]).await;
     let proxy = FaultProxy::in_front_of(&rabbit.config.url).await;
     let mut config = rabbit.config.clone();
     config.url = proxy.url(&rabbit.config.url);
-    let dispatch = AmqpDispatch::connect(config, guard, ConsumerType::new("orchestrator").unwrap())
+    let dispatch = AmqpDispatch::connect(config, ConsumerType::new("orchestrator").unwrap())
         .await
         .unwrap();
     proxy.set_delay(Duration::from_secs(60));

@@ -495,7 +495,6 @@ async fn the_orchestrator_reaches_a_step_through_jetstream_and_repeats_get_the_f
     let dispatch = Arc::new(
         NatsDispatch::connect(
             js.config.clone(),
-            guard.clone(),
             ConsumerType::new("orchestrator").unwrap(),
         )
         .await

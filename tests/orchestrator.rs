@@ -424,6 +424,62 @@ macro_rules! orchestrator_suite {
                 orchestrator.stop(None);
             }
 
+            /// A saga handed over as its caller stored it is driven from that copy: fresh,
+            /// it ends as a read one would (five answers, version 5, nothing sent twice);
+            /// stale (the row saved once more since), its first save finds the row moved
+            /// and reloads it, and the command it sent from the copy is answered by the
+            /// step's inbox — one duplicate, every side effect once.
+            #[tokio::test]
+            async fn a_saga_run_from_its_stored_copy_ends_alike_and_a_stale_copy_applies_nothing_twice() {
+                let fx = <$fixture>::new().await;
+                fx.exec(JOURNAL_DDL).await;
+                let definition = Arc::new(SagaDefinition::from_toml_str(JOURNEY).unwrap());
+                let dispatch = pools(&fx, &definition, Journal(Arc::default()), 1).await;
+                let store = fx.store(4).await;
+                let stats = Arc::new(DriveStats::default());
+                let (orchestrator, _) = Actor::spawn(
+                    None,
+                    Orchestrator::new(),
+                    OrchestratorArguments::new(definition, store.clone(), Arc::new(dispatch))
+                        .with_stats(Arc::clone(&stats)),
+                )
+                .await
+                .unwrap();
+                let fresh = SagaInstance::new("copy-fresh", "journey", json!({ "n": 0 }), Utc::now());
+                let stale = SagaInstance::new("copy-stale", "journey", json!({ "n": 1 }), Utc::now());
+                let mut conn = store.pool().acquire().await.unwrap();
+                store.insert(&mut conn, &fresh).await.unwrap();
+                store.insert(&mut conn, &stale).await.unwrap();
+                drop(conn);
+                // Another save since the copy was taken: the row is at version 1.
+                assert!(store.save(&mut stale.clone(), &[]).await.unwrap());
+
+                ractor::call!(orchestrator, OrchestratorMessage::RunStored, Box::new(fresh))
+                    .unwrap()
+                    .unwrap();
+                let ended = store.load("copy-fresh").await.unwrap().unwrap();
+                assert_eq!((ended.status.as_str(), ended.version), ("compensated", 5));
+                assert_eq!(stats.duplicates.load(Ordering::SeqCst), 0);
+
+                ractor::call!(orchestrator, OrchestratorMessage::RunStored, Box::new(stale))
+                    .unwrap()
+                    .unwrap();
+                let ended = store.load("copy-stale").await.unwrap().unwrap();
+                assert_eq!((ended.status.as_str(), ended.version), ("compensated", 6));
+                assert_eq!(
+                    stats.duplicates.load(Ordering::SeqCst),
+                    1,
+                    "the command sent from the stale copy was answered by the step's inbox"
+                );
+                let applied: Vec<String> =
+                    sqlx::query_scalar("SELECT kind FROM journal WHERE saga_id = 'copy-stale' ORDER BY seq")
+                        .fetch_all(&fx.pool)
+                        .await
+                        .unwrap();
+                assert_eq!(applied, ["book_flight", "book_hotel", "cancel_hotel", "cancel_flight"]);
+                orchestrator.stop(None);
+            }
+
             /// Step pools and an orchestrator on `fx`, with faults.
             async fn start(
                 fx: &$fixture,

@@ -133,10 +133,8 @@ async fn a_saga_is_one_trace_across_the_broker() {
         .start()
         .await
         .unwrap();
-    let guard = InboxGuard::new(pg.store(4).await, InboxConfig::default()).unwrap();
     let dispatch = AmqpDispatch::connect(
         rabbit.config.clone(),
-        guard,
         ConsumerType::new("orchestrator").unwrap(),
     )
     .await

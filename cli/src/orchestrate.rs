@@ -78,9 +78,9 @@ pub(crate) struct OrchestrateArgs {
     /// consumers and setup share them.
     #[arg(long, default_value_t = 16, value_parser = args::pool_size)]
     pub(crate) db_pool_size: u32,
-    // The orchestrators' inbox (start messages and replies): its TTL, checked
-    // against what the broker keeps; its pruner runs a pass at start, then hourly
-    // (one instance at a time).
+    // The inbox table of the database (the orchestrators write none of it; the
+    // participants sharing the database do): its TTL, checked against what the
+    // broker keeps; its pruner runs a pass at start, then hourly (one at a time).
     #[command(flatten)]
     pub(crate) retention: args::RetentionArgs,
     // Queue type, TTL and where the queues' retention is read.
@@ -119,7 +119,7 @@ pub(crate) async fn run(args: OrchestrateArgs) -> Result<ExitCode, ExitCode> {
     let transport = sagabox::transport::Transport::from_url(&transport, &queue_prefix)
         .unwrap_or_else(|error| usage_error("orchestrate", format_args!("--transport: {error}")));
     // Over RabbitMQ the start queues' measured retention is checked against the
-    // orchestrators' inbox; over JetStream the streams' max_age is.
+    // inbox TTL; over JetStream the streams' max_age is.
     let transport = broker.apply(transport).with_retention_of(&inbox);
     if let Err(error) = transport.validate() {
         usage_error("orchestrate", format_args!("--transport: {error}"));

@@ -7,10 +7,10 @@
 //! through the step pool (and so through the step's inbox), publishes the reply, and
 //! only then acks the command. The reply's id is derived from the command's
 //! ([`MessageId::derived`]), so a command redelivered after a crash produces the same
-//! reply message; replies pass the orchestrator's own inbox (consumer type
-//! `orchestrator` by default), which answers a repeated reply with the first one's
-//! record. A reply lost with a crashed orchestrator costs nothing: the orchestrator's
-//! timeout sends the command again, and the step's inbox answers with the first result.
+//! reply message, saying what the step's inbox recorded; the orchestrator's saga row
+//! records which answer it took ([`crate::reply`]). A reply lost with a crashed
+//! orchestrator costs nothing: the orchestrator's timeout sends the command again, and
+//! the step's inbox answers with the first result.
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -22,11 +22,9 @@ use super::consumer::{Consumer, ConsumerOptions};
 use crate::batching::Batching;
 use crate::consumer::ConsumerHandle;
 use crate::envelope::{ConsumerType, Envelope};
-use crate::inbox::InboxGuard;
 use crate::orchestrator::Dispatch;
 use crate::reply::{REPLY_KIND, Waiters, batch_dispositions, step_disposition, take_reply};
 use crate::step::{StepFailure, StepPool, StepReply};
-use crate::store::InboxStore;
 
 /// Consumes `<prefix>.<consumer_type of pool>` and delivers each command (of `kinds`)
 /// to `pool`, waiting up to `timeout` for its answer; replies to the sender. A step
@@ -107,11 +105,10 @@ struct Link {
 }
 
 impl AmqpDispatch {
-    /// Connects, and starts consuming replies on a private queue through `guard` as
-    /// `consumer_type` (the orchestrator's inbox).
-    pub async fn connect<S: InboxStore>(
+    /// Connects, and starts consuming replies on a private queue named after
+    /// `consumer_type` (`<prefix>.<consumer_type>.replies.<uuid>`).
+    pub async fn connect(
         config: AmqpConfig,
-        guard: InboxGuard<S>,
         consumer_type: ConsumerType,
     ) -> Result<Self, AmqpError> {
         config.validate()?;
@@ -130,9 +127,8 @@ impl AmqpDispatch {
         let replies = {
             let waiters = waiters.clone();
             Consumer::spawn(config.clone(), options, move |reply: Envelope| {
-                let (guard, consumer_type, waiters) =
-                    (guard.clone(), consumer_type.clone(), waiters.clone());
-                async move { take_reply(&guard, &consumer_type, &waiters, reply).await }
+                let disposition = take_reply(&waiters, &reply);
+                async move { disposition }
             })
             .await?
         };

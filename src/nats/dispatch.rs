@@ -7,8 +7,8 @@
 //! (`Nats-Msg-Id`), with `x-sagabox-reply-to` naming the orchestrator's private reply
 //! subject. The step's consumer runs it through the step pool (and so through the
 //! step's inbox), publishes the reply over core NATS, and only then acks the command.
-//! Replies pass the orchestrator's own inbox (consumer type `orchestrator`), which
-//! answers a repeated reply with the first one's record.
+//! Every copy of a reply says what the step's inbox recorded; the orchestrator's saga
+//! row records which answer it took ([`crate::reply`]).
 //!
 //! A reply lost with a crashed orchestrator costs nothing: the orchestrator's timeout
 //! sends the command again. JetStream would drop that send as a duplicate within its
@@ -33,11 +33,10 @@ use crate::batching::Batching;
 use crate::consumer::ConsumerHandle;
 use crate::delivery::Disposition;
 use crate::envelope::{ConsumerType, Envelope};
-use crate::inbox::{InboxConfig, InboxGuard};
+use crate::inbox::InboxConfig;
 use crate::orchestrator::Dispatch;
 use crate::reply::{REPLY_KIND, Waiters, batch_dispositions, step_disposition, take_reply};
 use crate::step::{StepFailure, StepPool, StepReply};
-use crate::store::InboxStore;
 
 /// Consumes `<prefix>.<consumer_type of pool>` and delivers each command (of `kinds`)
 /// to `pool`, waiting up to `timeout` for its answer; replies to the sender. A step
@@ -89,13 +88,9 @@ pub struct NatsDispatch {
 }
 
 impl NatsDispatch {
-    /// Connects, and starts taking replies on a private subject through `guard` as
-    /// `consumer_type` (the orchestrator's inbox).
-    pub async fn connect<S: InboxStore>(
-        config: NatsConfig,
-        guard: InboxGuard<S>,
-        consumer_type: ConsumerType,
-    ) -> Result<Self, NatsError> {
+    /// Connects, and starts taking replies on a private subject named after
+    /// `consumer_type` (`<prefix>.<consumer_type>.replies.<uuid>`).
+    pub async fn connect(config: NatsConfig, consumer_type: ConsumerType) -> Result<Self, NatsError> {
         config.validate()?;
         let client = jetstream::connect(&config, "dispatch").await?;
         let context = jetstream::context(&client);
@@ -126,10 +121,10 @@ impl NatsDispatch {
                             continue;
                         }
                     };
-                    // A reply the inbox cannot take now is dropped: the orchestrator's
-                    // timeout asks again, and the step answers with the first result.
+                    // Core NATS keeps no dead letters: a reply that is not one is logged
+                    // and dropped; the orchestrator's timeout asks again.
                     if let Disposition::Retry(reason) | Disposition::Reject(reason) =
-                        take_reply(&guard, &consumer_type, &waiters, reply).await
+                        take_reply(&waiters, &reply)
                     {
                         tracing::warn!(
                             reason,

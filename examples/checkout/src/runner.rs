@@ -533,7 +533,8 @@ where
         // would bound the run to one commit at a time.
         running.spawn(async move {
             S::Db::place(&pool, &store, &order, &saga).await?;
-            let done = ractor::call!(orchestrator, OrchestratorMessage::Run, saga.id);
+            // Its driver starts from the saga as placed, without reading it back.
+            let done = ractor::call!(orchestrator, OrchestratorMessage::RunStored, Box::new(saga));
             progress.inc(1);
             drop(permit);
             done.map_err(|e| DemoError::Actor(e.to_string()))?

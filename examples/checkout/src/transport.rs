@@ -148,7 +148,6 @@ impl DemoDispatch {
         };
         let dispatch = Dispatcher::connect(
             &broker,
-            guard.clone(),
             ConsumerType::new(ORCHESTRATOR).map_err(|e| DemoError::Config(e.to_string()))?,
         )
         .await?;
