@@ -164,8 +164,7 @@ where
     let inbox = guard.config().clone();
     // The broker first: a broker out of reach then fails the start before any actor
     // exists that would have to be stopped.
-    let dispatch =
-        Arc::new(Dispatcher::connect(&config.transport, orchestrator).await?);
+    let dispatch = Arc::new(Dispatcher::connect(&config.transport, orchestrator).await?);
     let supervision = match Supervision::start().await {
         Ok(supervision) => supervision,
         Err(error) => {

@@ -236,11 +236,17 @@ mod tests {
             duplicate: false,
         };
         let reply = reply_envelope(&command, &answer);
-        assert_eq!(take_reply(&waiters, &reply), Disposition::Done { reply: None });
+        assert_eq!(
+            take_reply(&waiters, &reply),
+            Disposition::Done { reply: None }
+        );
         assert_eq!(first.await.unwrap(), answer);
         assert_eq!(second.await.unwrap(), answer);
         // A second copy of the reply: nobody waits any more, it is settled and dropped.
-        assert_eq!(take_reply(&waiters, &reply), Disposition::Done { reply: None });
+        assert_eq!(
+            take_reply(&waiters, &reply),
+            Disposition::Done { reply: None }
+        );
         assert!(waiters.0.lock().unwrap().is_empty());
     }
 

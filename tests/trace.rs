@@ -37,9 +37,7 @@ use sagabox::participant::StepOptions;
 use sagabox::saga::SagaDefinition;
 use sagabox::step::{StepError, StepHandler};
 use sagabox::trace::{TRACEPARENT, TraceParent, saga_trace_id};
-use sagabox::{
-    ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId, Participant, PostgresStore,
-};
+use sagabox::{ConsumerType, Envelope, MessageId, Participant, PostgresStore};
 use serde_json::{Value, json};
 use sqlx::PgConnection;
 use tracing_subscriber::layer::SubscriberExt;

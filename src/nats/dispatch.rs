@@ -90,7 +90,10 @@ pub struct NatsDispatch {
 impl NatsDispatch {
     /// Connects, and starts taking replies on a private subject named after
     /// `consumer_type` (`<prefix>.<consumer_type>.replies.<uuid>`).
-    pub async fn connect(config: NatsConfig, consumer_type: ConsumerType) -> Result<Self, NatsError> {
+    pub async fn connect(
+        config: NatsConfig,
+        consumer_type: ConsumerType,
+    ) -> Result<Self, NatsError> {
         config.validate()?;
         let client = jetstream::connect(&config, "dispatch").await?;
         let context = jetstream::context(&client);

@@ -154,7 +154,10 @@ impl Rabbit {
             .expect("publish")
             .await
             .expect("confirm");
-        assert!(confirmation.is_ack(), "the broker refused a message to {queue}");
+        assert!(
+            confirmation.is_ack(),
+            "the broker refused a message to {queue}"
+        );
     }
 
     /// Consumers subscribed to `queue` (0 if it does not exist yet).
