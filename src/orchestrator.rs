@@ -18,7 +18,9 @@
 //! orchestrators at once, starts one saga and answers every sender with its id.
 //!
 //! Every save writes what happened since the last one to the saga's history
-//! ([`SagaEvent`]), with the state. A saga runs on the definition version it started
+//! ([`SagaEvent`]), with the state. The saves of many sagas share commits: those asked
+//! for while one batch is written go together in the next, one transaction
+//! ([`OrchestratorArguments::save_batch`]); a save alone waits for nobody. A saga runs on the definition version it started
 //! under ([`Definitions`]); past its deadline a running saga is compensated. When going
 //! on cannot help — a compensation the step refuses or the inbox rejects (a saga older
 //! than the inbox TTL, a consumer type with no step), a deadline past a step without
@@ -50,6 +52,10 @@ use crate::saga::versions::{Definitions, RegisterError, VersionError};
 use crate::saga::{EventKind, SagaDefinition, SagaEvent, SagaInstance, SagaStore, StartError};
 use crate::step::{StepFailure, StepOutcome, StepPool, StepReply};
 use crate::supervisor::panic_message;
+
+mod saves;
+
+use saves::Saves;
 
 /// How the orchestrator reaches the steps: in process (a [`StepPool`] per consumer type)
 /// or through a broker.
@@ -193,7 +199,13 @@ pub struct OrchestratorArguments<St, D> {
     pub stats: Arc<DriveStats>,
     /// The time of new sagas, of history events, and against which deadlines pass.
     pub clock: Arc<dyn Clock>,
+    /// The most saga saves written in one transaction: the saves that queue while one
+    /// is written go together in the next ([`DEFAULT_SAVE_BATCH`]); 1 writes each alone.
+    pub save_batch: usize,
 }
+
+/// How many saga saves an orchestrator writes in one transaction at most, by default.
+pub const DEFAULT_SAVE_BATCH: usize = 64;
 
 impl<St, D> OrchestratorArguments<St, D> {
     /// Drives `definition`'s sagas stored in `store` through `dispatch`, on the system
@@ -205,7 +217,14 @@ impl<St, D> OrchestratorArguments<St, D> {
             dispatch,
             stats: Arc::default(),
             clock: Arc::new(SystemClock),
+            save_batch: DEFAULT_SAVE_BATCH,
         }
+    }
+
+    /// With at most `max` saga saves per transaction (1: each save alone).
+    pub fn with_save_batch(mut self, max: usize) -> Self {
+        self.save_batch = max;
+        self
     }
 
     /// With counters shared with the caller.
@@ -226,6 +245,8 @@ impl<St, D> OrchestratorArguments<St, D> {
 pub struct OrchestratorState<St, D> {
     definitions: Arc<Definitions>,
     store: St,
+    /// The drivers' saves, in batches; its writers end with the state.
+    saves: Saves<St>,
     dispatch: Arc<D>,
     stats: Arc<DriveStats>,
     clock: Arc<dyn Clock>,
@@ -286,6 +307,7 @@ impl<St: SagaStore, D: Dispatch> Orchestrator<St, D> {
         let driver = Driver {
             definitions: Arc::clone(&state.definitions),
             store: state.store.clone(),
+            saves: state.saves.clone(),
             dispatch: Arc::clone(&state.dispatch),
             stats: Arc::clone(&state.stats),
             clock: Arc::clone(&state.clock),
@@ -358,6 +380,7 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
             .map_err(|error: RegisterError| Box::new(error) as ActorProcessingErr)?;
         Ok(OrchestratorState {
             definitions: Arc::new(Definitions::new(args.definition)),
+            saves: Saves::new(args.store.clone(), args.save_batch),
             store: args.store,
             dispatch: args.dispatch,
             stats: args.stats,
@@ -455,6 +478,7 @@ impl<St: SagaStore, D: Dispatch> Actor for Orchestrator<St, D> {
 struct Driver<St, D> {
     definitions: Arc<Definitions>,
     store: St,
+    saves: Saves<St>,
     dispatch: Arc<D>,
     stats: Arc<DriveStats>,
     clock: Arc<dyn Clock>,
@@ -679,7 +703,7 @@ impl<St: SagaStore, D: Dispatch> Driver<St, D> {
     async fn save(&self, saga: &mut SagaInstance, events: &[SagaEvent]) -> Saved {
         saga.updated_at = self.clock.now();
         loop {
-            match self.store.save(saga, events).await {
+            match self.saves.save(saga, events).await {
                 Ok(true) => return Saved::Written,
                 Ok(false) => {
                     tracing::info!(saga_id = %saga.id, "saga changed under this driver; reloading");

@@ -35,5 +35,5 @@ pub use instance::{
 pub(crate) use store::history_months;
 pub use store::{
     DEFAULT_HISTORY_RETENTION, FinishedMinute, HISTORY_PARTITION_PREFIX, HistoryPruned, SagaCount,
-    SagaCursor, SagaFilter, SagaInsert, SagaStore, Started, history_pass,
+    SagaCursor, SagaFilter, SagaInsert, SagaSave, SagaStore, Started, history_pass,
 };

@@ -17,7 +17,8 @@ use sagabox::orchestrator::{
     DriveStats, InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage,
 };
 use sagabox::saga::{
-    Direction, EventKind, SagaDefinition, SagaEvent, SagaInsert, SagaInstance, SagaStore,
+    Direction, EventKind, SagaDefinition, SagaEvent, SagaInsert, SagaInstance, SagaSave,
+    SagaStatus, SagaStore,
 };
 use sagabox::step::{StepError, StepHandler, StepPool, StepPoolConfig};
 use sagabox::testing::FaultyDispatch;
@@ -480,6 +481,54 @@ macro_rules! orchestrator_suite {
                 orchestrator.stop(None);
             }
 
+            /// A batch of saves is written as each save alone would be, in one
+            /// transaction: a copy at its saga's version is written (version bumped, its
+            /// event in the history), a stale copy is not, and neither holds the other.
+            #[tokio::test]
+            async fn a_batch_of_saves_writes_each_save_by_its_own_version() {
+                let fx = <$fixture>::new().await;
+                let store = fx.store(2).await;
+                let sagas: Vec<SagaInstance> = ["batch-c", "batch-a", "batch-b"]
+                    .into_iter()
+                    .map(|id| SagaInstance::new(id, "journey", json!({}), Utc::now()))
+                    .collect();
+                let mut conn = store.pool().acquire().await.unwrap();
+                for saga in &sagas {
+                    store.insert(&mut conn, saga).await.unwrap();
+                }
+                drop(conn);
+                // batch-a's row moves on: the batch's copy of it is stale.
+                assert!(store.save(&mut sagas[1].clone(), &[]).await.unwrap());
+                let event = SagaEvent::new(EventKind::Completed, Utc::now());
+                let mut batch: Vec<SagaSave> = sagas
+                    .into_iter()
+                    .map(|mut saga| {
+                        saga.status = SagaStatus::Completed;
+                        SagaSave::new(saga, vec![event.clone()])
+                    })
+                    .collect();
+                store.save_batch(&mut batch).await.unwrap();
+                let outcome: Vec<(&str, bool, i64)> = batch
+                    .iter()
+                    .map(|save| (save.instance.id.as_str(), save.written, save.instance.version))
+                    .collect();
+                assert_eq!(
+                    outcome,
+                    [("batch-a", false, 0), ("batch-b", true, 1), ("batch-c", true, 1)],
+                    "sorted by id; the stale copy unwritten"
+                );
+                for (id, status, completed_events) in
+                    [("batch-a", "running", 0), ("batch-b", "completed", 1), ("batch-c", "completed", 1)]
+                {
+                    let stored = store.load(id).await.unwrap().unwrap();
+                    assert_eq!(stored.status.as_str(), status, "{id}");
+                    let history = store.history(id).await.unwrap();
+                    let completed =
+                        history.iter().filter(|entry| entry.event.kind == EventKind::Completed).count();
+                    assert_eq!(completed, completed_events, "{id}: {history:#?}");
+                }
+            }
+
             /// Step pools and an orchestrator on `fx`, with faults.
             async fn start(
                 fx: &$fixture,
@@ -719,3 +768,149 @@ macro_rules! orchestrator_suite {
 
 orchestrator_suite!(postgres, common::Pg, sqlx::Postgres, sagabox::PostgresStore);
 orchestrator_suite!(sqlite, common::Lite, sqlx::Sqlite, sagabox::SqliteStore);
+
+/// PostgreSQL: sagas driven at once share commits — the saves asked for while a batch is
+/// written go together in the next — and a batch that fails is written again a save at a
+/// time, so a saga whose save cannot be written holds no other.
+mod batched_saves {
+    use super::*;
+
+    /// Books every command, journaling it.
+    #[derive(Debug, Clone)]
+    struct Books;
+
+    impl StepHandler<sqlx::Postgres> for Books {
+        async fn handle(
+            &self,
+            conn: &mut sqlx::PgConnection,
+            envelope: &Envelope,
+        ) -> Result<Value, StepError> {
+            sqlx::query("INSERT INTO journal (seq, saga_id, kind) VALUES (0, $1, $2)")
+                .bind(envelope.saga_id.clone().unwrap_or_default())
+                .bind(envelope.kind.as_str())
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| StepError::Retryable(e.to_string()))?;
+            Ok(json!({}))
+        }
+    }
+
+    /// Every saga row update takes 5 ms: saves queue behind the batch being written.
+    const SLOW_SAVES: &str = "CREATE FUNCTION slow_save() RETURNS trigger AS $$ \
+        BEGIN PERFORM pg_sleep(0.005); RETURN NEW; END $$ LANGUAGE plpgsql; \
+        CREATE TRIGGER slow_save BEFORE UPDATE ON sagabox_saga_instances \
+        FOR EACH ROW EXECUTE FUNCTION slow_save()";
+
+    /// The first three saves of saga `stubborn` fail (the sequence is not rolled back
+    /// with them).
+    const STUBBORN: &str = "CREATE SEQUENCE refusals; \
+        CREATE FUNCTION refuse_stubborn() RETURNS trigger AS $$ \
+        BEGIN IF NEW.id = 'stubborn' AND nextval('refusals') <= 3 THEN \
+        RAISE EXCEPTION 'the stubborn saga is refused'; END IF; RETURN NEW; END $$ \
+        LANGUAGE plpgsql; \
+        CREATE TRIGGER refuse_stubborn BEFORE UPDATE ON sagabox_saga_instances \
+        FOR EACH ROW EXECUTE FUNCTION refuse_stubborn()";
+
+    /// Drives `ids` at once on a journey whose steps all book; answers the orchestrator
+    /// is done with them.
+    async fn drive_all(fx: &common::Pg, ids: &[String]) {
+        let definition = Arc::new(SagaDefinition::from_toml_str(JOURNEY).unwrap());
+        let mut dispatch = InProcess::new();
+        for step in definition.steps() {
+            let guard = InboxGuard::new(fx.store(5).await, InboxConfig::default()).unwrap();
+            let pool = StepPool::spawn(
+                guard,
+                step.consumer_type().clone(),
+                Books,
+                StepPoolConfig { workers: 4 },
+            )
+            .await
+            .unwrap();
+            dispatch = dispatch.with_pool(pool);
+        }
+        let store = fx.store(8).await;
+        let (orchestrator, _) = Actor::spawn(
+            None,
+            Orchestrator::new(),
+            OrchestratorArguments::new(definition, store.clone(), Arc::new(dispatch)),
+        )
+        .await
+        .unwrap();
+        let mut runs = tokio::task::JoinSet::new();
+        for id in ids {
+            let saga = SagaInstance::new(id.as_str(), "journey", json!({}), Utc::now());
+            let mut conn = store.pool().acquire().await.unwrap();
+            store.insert(&mut conn, &saga).await.unwrap();
+            let orchestrator = orchestrator.clone();
+            runs.spawn(async move {
+                ractor::call_t!(
+                    orchestrator,
+                    OrchestratorMessage::RunStored,
+                    60_000,
+                    Box::new(saga)
+                )
+            });
+        }
+        while let Some(run) = runs.join_next().await {
+            run.unwrap().expect("answered in time").expect("driven");
+        }
+        orchestrator.stop(None);
+    }
+
+    /// Every saga completed (four steps, four saves: version 4) and every step applied once.
+    async fn assert_each_completed_once(fx: &common::Pg, sagas: i64) {
+        assert_eq!(
+            fx.scalar("SELECT COUNT(*) FROM sagabox_saga_instances WHERE status = 'completed' AND version = 4")
+                .await,
+            sagas
+        );
+        assert_eq!(fx.scalar("SELECT COUNT(*) FROM journal").await, 4 * sagas);
+        assert_eq!(
+            fx.scalar(
+                "SELECT COUNT(*) FROM (SELECT DISTINCT saga_id, kind FROM journal) AS applied"
+            )
+            .await,
+            4 * sagas,
+            "each step applied once"
+        );
+    }
+
+    #[tokio::test]
+    async fn sagas_driven_at_once_share_their_commits() {
+        let fx = common::Pg::new().await;
+        fx.exec(JOURNAL_DDL).await;
+        fx.exec(SLOW_SAVES).await;
+        let ids: Vec<String> = (0..100).map(|n| format!("shared-{n:03}")).collect();
+        drive_all(&fx, &ids).await;
+        assert_each_completed_once(&fx, 100).await;
+        // The rows one transaction wrote share its id (xmin): one per commit.
+        let saves = fx
+            .scalar("SELECT COUNT(DISTINCT (saga_id, version)) FROM sagabox_saga_events WHERE version > 0")
+            .await;
+        let commits = fx
+            .scalar("SELECT COUNT(DISTINCT xmin::text) FROM sagabox_saga_events WHERE version > 0")
+            .await;
+        println!("{saves} saves in {commits} commits");
+        assert_eq!(saves, 400);
+        assert!(
+            commits * 2 <= saves,
+            "{saves} saves in {commits} commits: batches of two or more on average"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_save_that_fails_its_batch_is_written_alone_and_holds_no_other_saga() {
+        let fx = common::Pg::new().await;
+        fx.exec(JOURNAL_DDL).await;
+        fx.exec(SLOW_SAVES).await;
+        fx.exec(STUBBORN).await;
+        let mut ids: Vec<String> = (0..40).map(|n| format!("other-{n:02}")).collect();
+        ids.push("stubborn".to_owned());
+        drive_all(&fx, &ids).await;
+        assert_each_completed_once(&fx, 41).await;
+        assert!(
+            fx.scalar("SELECT last_value FROM refusals").await > 3,
+            "the stubborn saga's saves were refused, then written"
+        );
+    }
+}

@@ -32,6 +32,30 @@ pub struct Started {
     pub created: bool,
 }
 
+/// One saga's save in a [`SagaStore::save_batch`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct SagaSave {
+    /// The copy to write, at the version it was read at; its version is bumped when the
+    /// batch commits with it written.
+    pub instance: SagaInstance,
+    /// The events that led to it, stored under its new version (give at least one).
+    pub events: Vec<SagaEvent>,
+    /// Whether it was written: `false` when another driver or an operator saved the saga
+    /// since this copy was read (reload it then), or when the batch failed.
+    pub written: bool,
+}
+
+impl SagaSave {
+    /// `instance` and `events`, not written yet.
+    pub fn new(instance: SagaInstance, events: Vec<SagaEvent>) -> Self {
+        Self {
+            instance,
+            events,
+            written: false,
+        }
+    }
+}
+
 /// What [`SagaStore::prune_history`] did (or, dry, would do).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct HistoryPruned {
@@ -189,6 +213,16 @@ pub trait SagaStore: Clone + Send + Sync + 'static {
         instance: &mut SagaInstance,
         events: &[SagaEvent],
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Writes every save of `batch` as [`save`](Self::save) would — each checked against
+    /// its own saga's version, a refused one left unwritten — in one transaction: one
+    /// commit for them all. The sagas are written in the order of their ids, so that two
+    /// batches never wait for each other's rows in a circle. A failure rolls the whole
+    /// batch back: nothing is written, every `written` stays `false`, no version moves.
+    fn save_batch(
+        &self,
+        batch: &mut [SagaSave],
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
     /// The ids of every instance of `saga_name` not yet completed or compensated, and
     /// not parked, oldest first.

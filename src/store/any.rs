@@ -17,7 +17,7 @@ use crate::month::Month;
 use crate::saga::versions::RegisterError;
 use crate::saga::{
     FinishedMinute, HistoryEntry, HistoryPruned, SagaCount, SagaDefinition, SagaEvent, SagaFilter,
-    SagaInsert, SagaInstance, SagaStore, Started,
+    SagaInsert, SagaInstance, SagaSave, SagaStore, Started,
 };
 use crate::store::InboxStore;
 #[cfg(feature = "postgres")]
@@ -213,6 +213,15 @@ impl SagaStore for AnyStore {
             AnyStore::Postgres(store) => store.save(instance, events).await,
             #[cfg(feature = "sqlite")]
             AnyStore::Sqlite(store) => store.save(instance, events).await,
+        }
+    }
+
+    async fn save_batch(&self, batch: &mut [SagaSave]) -> Result<(), sqlx::Error> {
+        match self {
+            #[cfg(feature = "postgres")]
+            AnyStore::Postgres(store) => store.save_batch(batch).await,
+            #[cfg(feature = "sqlite")]
+            AnyStore::Sqlite(store) => store.save_batch(batch).await,
         }
     }
 

@@ -8,8 +8,8 @@ use sqlx::{AssertSqlSafe, Postgres};
 
 use super::{
     CREATE_ATTEMPTS, FINISHED_HISTORY, FinishedMinute, HISTORY_PARTITION_PREFIX, HistoryPruned,
-    SagaCount, SagaFilter, SagaInsert, SagaSql, SagaStore, Started, bind_instance, bind_progress,
-    started,
+    SagaCount, SagaFilter, SagaInsert, SagaSave, SagaSql, SagaStore, Started, bind_instance,
+    bind_progress, started,
 };
 use crate::month::Month;
 use crate::saga::history::{self, HistoryEntry, SagaEvent};
@@ -115,6 +115,33 @@ impl SagaStore for PostgresStore {
             instance.version += 1;
         }
         Ok(saved)
+    }
+
+    async fn save_batch(&self, batch: &mut [SagaSave]) -> Result<(), sqlx::Error> {
+        batch.sort_by(|a, b| a.instance.id.cmp(&b.instance.id));
+        let mut tx = self.pool().begin().await?;
+        let mut written = Vec::with_capacity(batch.len());
+        for save in batch.iter() {
+            let sql = if save.events.is_empty() { UPDATE } else { SAVE };
+            let query = bind_progress(
+                sqlx::query(AssertSqlSafe(self.schema().sql(sql))),
+                &save.instance,
+            );
+            let query = if save.events.is_empty() {
+                query
+            } else {
+                query.bind(Json(history::rows(&save.events)))
+            };
+            written.push(query.execute(&mut *tx).await?.rows_affected() > 0);
+        }
+        tx.commit().await?;
+        for (save, written) in batch.iter_mut().zip(written) {
+            save.written = written;
+            if written {
+                save.instance.version += 1;
+            }
+        }
+        Ok(())
     }
 
     async fn prepare_history(&self, months: &[Month]) -> Result<Vec<Month>, sqlx::Error> {

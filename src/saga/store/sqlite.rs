@@ -7,7 +7,7 @@ use sqlx::{AssertSqlSafe, Row, Sqlite};
 
 use super::{
     CREATE_ATTEMPTS, FINISHED_HISTORY, FinishedMinute, HistoryPruned, SagaCount, SagaFilter,
-    SagaInsert, SagaSql, SagaStore, Started, bind_instance, bind_progress, started,
+    SagaInsert, SagaSave, SagaSql, SagaStore, Started, bind_instance, bind_progress, started,
 };
 use crate::month::Month;
 use crate::saga::history::{self, HistoryEntry, SagaEvent};
@@ -85,28 +85,32 @@ impl SagaStore for SqliteStore {
         events: &[SagaEvent],
     ) -> Result<bool, sqlx::Error> {
         let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
-        let row = bind_progress(
-            sqlx::query(AssertSqlSafe(self.schema().sql(UPDATE))),
-            instance,
-        )
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some(row) = row else {
+        let Some(version) = self.write_save(&mut tx, instance, events).await? else {
             return Ok(false);
         };
-        let version: i64 = row.try_get("version")?;
-        if !events.is_empty() {
-            sqlx::query(AssertSqlSafe(self.schema().sql(EVENTS)))
-                .bind(&instance.id)
-                .bind(instance.created_at)
-                .bind(version)
-                .bind(Json(history::rows(events)))
-                .execute(&mut *tx)
-                .await?;
-        }
         tx.commit().await?;
         instance.version = version;
         Ok(true)
+    }
+
+    async fn save_batch(&self, batch: &mut [SagaSave]) -> Result<(), sqlx::Error> {
+        batch.sort_by(|a, b| a.instance.id.cmp(&b.instance.id));
+        let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await?;
+        let mut versions = Vec::with_capacity(batch.len());
+        for save in batch.iter() {
+            versions.push(
+                self.write_save(&mut tx, &save.instance, &save.events)
+                    .await?,
+            );
+        }
+        tx.commit().await?;
+        for (save, version) in batch.iter_mut().zip(versions) {
+            if let Some(version) = version {
+                save.instance.version = version;
+                save.written = true;
+            }
+        }
+        Ok(())
     }
 
     async fn prepare_history(&self, _months: &[Month]) -> Result<Vec<Month>, sqlx::Error> {
@@ -178,6 +182,37 @@ impl SqliteStore {
             .execute(&mut *conn)
             .await?;
         Ok(())
+    }
+
+    /// Writes `instance`'s progress and `events` with `conn` if the stored row is still at
+    /// `instance.version`: the new version, or `None` when the row moved on (nothing
+    /// written).
+    async fn write_save(
+        &self,
+        conn: &mut sqlx::SqliteConnection,
+        instance: &SagaInstance,
+        events: &[SagaEvent],
+    ) -> Result<Option<i64>, sqlx::Error> {
+        let row = bind_progress(
+            sqlx::query(AssertSqlSafe(self.schema().sql(UPDATE))),
+            instance,
+        )
+        .fetch_optional(&mut *conn)
+        .await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let version: i64 = row.try_get("version")?;
+        if !events.is_empty() {
+            sqlx::query(AssertSqlSafe(self.schema().sql(EVENTS)))
+                .bind(&instance.id)
+                .bind(instance.created_at)
+                .bind(version)
+                .bind(Json(history::rows(events)))
+                .execute(&mut *conn)
+                .await?;
+        }
+        Ok(Some(version))
     }
 
     /// The queries both databases run alike, on this store.
