@@ -145,6 +145,7 @@ pub mod delivery;
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub mod dlq;
 pub mod envelope;
+mod gather;
 pub mod health;
 pub mod inbox;
 pub mod inspect;
