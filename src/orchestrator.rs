@@ -46,6 +46,7 @@ use tracing::Instrument;
 
 use crate::clock::{Clock, SystemClock};
 use crate::envelope::{ConsumerType, Envelope};
+use crate::gather::Gather;
 use crate::metrics::{self, StepAttempt};
 use crate::saga::machine;
 use crate::saga::versions::{Definitions, RegisterError, VersionError};
@@ -70,11 +71,16 @@ pub trait Dispatch: Send + Sync + 'static {
     ) -> impl Future<Output = Result<StepReply, StepFailure>> + Send;
 }
 
-/// Steps in this process: one [`StepPool`] per consumer type.
+/// Steps in this process: one [`StepPool`] per consumer type, each command delivered
+/// alone, or claimed in batches ([`with_batched_pool`](Self::with_batched_pool)).
 #[derive(Debug, Default)]
 pub struct InProcess {
     pools: HashMap<ConsumerType, Arc<StepPool>>,
+    batches: HashMap<ConsumerType, Claims>,
 }
+
+/// A pool's commands gathered into batches: each with the time its sender waits.
+type Claims = Gather<(Envelope, Duration), Result<StepReply, StepFailure>>;
 
 impl InProcess {
     /// No pools yet.
@@ -84,13 +90,38 @@ impl InProcess {
 
     /// Adds a pool, reached under its consumer type.
     pub fn with_pool(mut self, pool: StepPool) -> Self {
+        self.batches.remove(pool.consumer_type());
         self.pools
             .insert(pool.consumer_type().clone(), Arc::new(pool));
         self
     }
 
+    /// Adds a pool whose commands are claimed in batches of up to `max`: the commands
+    /// sent while its batch runs go together in the next, one transaction and one commit
+    /// ([`StepPool::deliver_batch`]; a batch that fails runs its commands one by one). A
+    /// command sent while no batch runs goes at once, alone. One batch runs at a time,
+    /// so two batches of the step never wait for each other's rows; a step whose
+    /// handler waits on something slow (a remote call) is better served by
+    /// [`with_pool`](Self::with_pool), whose workers run commands side by side.
+    pub fn with_batched_pool(mut self, pool: StepPool, max: usize) -> Self {
+        let consumer_type = pool.consumer_type().clone();
+        let pool = Arc::new(pool);
+        let batches = {
+            let pool = Arc::clone(&pool);
+            Gather::new(1, max, move |commands: Vec<(Envelope, Duration)>| {
+                let pool = Arc::clone(&pool);
+                async move { claim_batch(&pool, commands).await }
+            })
+        };
+        self.batches.insert(consumer_type.clone(), batches);
+        self.pools.insert(consumer_type, pool);
+        self
+    }
+
     /// Stops every pool after the commands in flight.
     pub async fn stop(self) {
+        // The batches' lane holds its pool: it ends first.
+        drop(self.batches);
         for (_, pool) in self.pools {
             if let Ok(pool) = Arc::try_unwrap(pool) {
                 pool.stop().await;
@@ -106,12 +137,48 @@ impl Dispatch for InProcess {
         envelope: Envelope,
         timeout: Duration,
     ) -> Result<StepReply, StepFailure> {
+        if let Some(batches) = self.batches.get(consumer_type) {
+            let mut envelope = envelope;
+            // The batch runs in its lane's task: the command carries this span's context.
+            crate::trace::inject_current(&mut envelope.headers);
+            return match tokio::time::timeout(timeout, batches.submit((envelope, timeout))).await {
+                Ok(Some(answer)) => answer,
+                Ok(None) => Err(StepFailure::Retryable(
+                    "the step's batch ended without answering this command".into(),
+                )),
+                Err(_) => Err(StepFailure::Timeout(timeout)),
+            };
+        }
         match self.pools.get(consumer_type) {
             Some(pool) => pool.deliver(envelope, timeout).await,
             None => Err(StepFailure::Rejected(format!(
                 "no step pool for consumer type {consumer_type}: add one with InProcess::with_pool"
             ))),
         }
+    }
+}
+
+/// Runs `commands` through `pool`: one alone, several as one batch, waiting as long as
+/// the most patient sender; a batch that got no answer at all fails every command.
+async fn claim_batch(
+    pool: &StepPool,
+    commands: Vec<(Envelope, Duration)>,
+) -> Vec<Result<StepReply, StepFailure>> {
+    let timeout = commands
+        .iter()
+        .map(|(_, timeout)| *timeout)
+        .max()
+        .unwrap_or_default();
+    let mut envelopes: Vec<Envelope> = commands.into_iter().map(|(envelope, _)| envelope).collect();
+    if envelopes.len() == 1
+        && let Some(envelope) = envelopes.pop()
+    {
+        return vec![pool.deliver(envelope, timeout).await];
+    }
+    let count = envelopes.len();
+    match pool.deliver_batch(envelopes, timeout).await {
+        Ok(answers) => answers,
+        Err(failure) => vec![Err(failure); count],
     }
 }
 

@@ -770,9 +770,10 @@ orchestrator_suite!(postgres, common::Pg, sqlx::Postgres, sagabox::PostgresStore
 orchestrator_suite!(sqlite, common::Lite, sqlx::Sqlite, sagabox::SqliteStore);
 
 /// PostgreSQL: sagas driven at once share commits — the saves asked for while a batch is
-/// written go together in the next — and a batch that fails is written again a save at a
-/// time, so a saga whose save cannot be written holds no other.
-mod batched_saves {
+/// written go together in the next, and so do the commands of a step whose pool claims
+/// in batches — and a batch that fails is written again a save at a time, so a saga
+/// whose save cannot be written holds no other.
+mod group_commit {
     use super::*;
 
     /// Books every command, journaling it.
@@ -811,9 +812,11 @@ mod batched_saves {
         CREATE TRIGGER refuse_stubborn BEFORE UPDATE ON sagabox_saga_instances \
         FOR EACH ROW EXECUTE FUNCTION refuse_stubborn()";
 
-    /// Drives `ids` at once on a journey whose steps all book; answers the orchestrator
-    /// is done with them.
-    async fn drive_all(fx: &common::Pg, ids: &[String]) {
+    /// Drives `ids` at once on a journey whose steps all book, their pools claiming in
+    /// batches of up to `claims` (1: each command alone), half the commands sent twice
+    /// when `duplicates`; returns, once every saga is driven, how many deliveries a
+    /// step's inbox answered as duplicates.
+    async fn drive_all(fx: &common::Pg, ids: &[String], claims: usize, duplicates: bool) -> u64 {
         let definition = Arc::new(SagaDefinition::from_toml_str(JOURNEY).unwrap());
         let mut dispatch = InProcess::new();
         for step in definition.steps() {
@@ -826,13 +829,19 @@ mod batched_saves {
             )
             .await
             .unwrap();
-            dispatch = dispatch.with_pool(pool);
+            dispatch = if claims > 1 {
+                dispatch.with_batched_pool(pool, claims)
+            } else {
+                dispatch.with_pool(pool)
+            };
         }
+        let duplicate_rate = if duplicates { 0.5 } else { 0.0 };
+        let dispatch = Arc::new(FaultyDispatch::new(dispatch, duplicate_rate, 0.0, 7).unwrap());
         let store = fx.store(8).await;
         let (orchestrator, _) = Actor::spawn(
             None,
             Orchestrator::new(),
-            OrchestratorArguments::new(definition, store.clone(), Arc::new(dispatch)),
+            OrchestratorArguments::new(definition, store.clone(), Arc::clone(&dispatch)),
         )
         .await
         .unwrap();
@@ -855,6 +864,7 @@ mod batched_saves {
             run.unwrap().expect("answered in time").expect("driven");
         }
         orchestrator.stop(None);
+        dispatch.counts().duplicates.load(Ordering::SeqCst)
     }
 
     /// Every saga completed (four steps, four saves: version 4) and every step applied once.
@@ -881,7 +891,7 @@ mod batched_saves {
         fx.exec(JOURNAL_DDL).await;
         fx.exec(SLOW_SAVES).await;
         let ids: Vec<String> = (0..100).map(|n| format!("shared-{n:03}")).collect();
-        drive_all(&fx, &ids).await;
+        drive_all(&fx, &ids, 1, false).await;
         assert_each_completed_once(&fx, 100).await;
         // The rows one transaction wrote share its id (xmin): one per commit.
         let saves = fx
@@ -906,11 +916,35 @@ mod batched_saves {
         fx.exec(STUBBORN).await;
         let mut ids: Vec<String> = (0..40).map(|n| format!("other-{n:02}")).collect();
         ids.push("stubborn".to_owned());
-        drive_all(&fx, &ids).await;
+        drive_all(&fx, &ids, 1, false).await;
         assert_each_completed_once(&fx, 41).await;
         assert!(
             fx.scalar("SELECT last_value FROM refusals").await > 3,
             "the stubborn saga's saves were refused, then written"
+        );
+    }
+
+    #[tokio::test]
+    async fn commands_claimed_in_batches_share_commits_and_each_applies_once() {
+        let fx = common::Pg::new().await;
+        fx.exec(JOURNAL_DDL).await;
+        let ids: Vec<String> = (0..100).map(|n| format!("claimed-{n:03}")).collect();
+        // Half the commands sent twice: copies of one command meet in a batch, or not.
+        let duplicates = drive_all(&fx, &ids, 16, true).await;
+        assert!(
+            duplicates > 0,
+            "copies of commands were answered as duplicates"
+        );
+        assert_each_completed_once(&fx, 100).await;
+        let claims = fx.inbox_rows().await;
+        let commits = fx
+            .scalar("SELECT COUNT(DISTINCT xmin::text) FROM sagabox_inbox")
+            .await;
+        println!("{claims} claims in {commits} commits");
+        assert_eq!(claims, 400, "one inbox row per command");
+        assert!(
+            commits * 2 <= claims,
+            "{claims} claims in {commits} commits: batches of two or more on average"
         );
     }
 }

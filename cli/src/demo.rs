@@ -35,6 +35,11 @@ pub(crate) struct DemoArgs {
     /// Share of orders whose card is declined (0..=1).
     #[arg(long, default_value_t = 0.05, value_parser = args::rate)]
     pub(crate) decline_rate: f64,
+    /// In process, the most step commands one transaction claims: the commands sent
+    /// while a step's batch runs go together in its next (1 to 10000). A failing
+    /// handler (--fail-rate) rolls back its whole batch, which then runs one by one.
+    #[arg(long, default_value_t = 1, value_parser = args::parallel)]
+    pub(crate) claim_batch: usize,
     /// Seed of the orders and of the fault draws. The order in which concurrent
     /// deliveries and retries meet is the scheduler's, so counts vary between runs.
     #[arg(long, default_value_t = 1)]
@@ -96,6 +101,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, ExitCode> {
         lost_reply_rate,
         fail_rate,
         decline_rate,
+        claim_batch,
         seed,
         no_inbox,
         resume,
@@ -117,6 +123,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<ExitCode, ExitCode> {
         lost_reply_rate,
         fail_rate,
         decline_rate,
+        claim_batch,
         seed,
         no_inbox,
         resume,

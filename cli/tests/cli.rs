@@ -460,9 +460,9 @@ async fn bench_broker_over_jetstream_applies_every_message_once_and_deletes_its_
 /// every saga to its end at full load and paced, the hand-written floor commits its
 /// seven transactions per saga (one start, a participant's and the orchestrator's per
 /// step, a compensated saga as many) plus the run's set-up (a few per connection opened,
-/// at most 30 here), sagabox's saga
-/// commits more, each mode has its ratio to the floor, and no scratch database, queue or
-/// stream is left.
+/// at most 30 here), sagabox's saga in process at full load fewer (its claims and saves
+/// share commits), each mode has its ratio to the floor, and no scratch database, queue
+/// or stream is left.
 #[tokio::test]
 async fn bench_saga_measures_every_mode_against_the_floor_and_leaves_nothing_behind() {
     let db = common::Pg::new().await;
@@ -509,7 +509,13 @@ async fn bench_saga_measures_every_mode_against_the_floor_and_leaves_nothing_beh
             );
         } else {
             assert!(run["ratio_to_floor"].as_f64().unwrap() > 0.0, "{run}");
-            assert!(commits > 7.0, "sagabox commits more than the floor: {run}");
+            assert!(commits > 0.0, "{run}");
+            if run["mode"] == "in-process" && run["load"] == "full" {
+                assert!(
+                    commits < 7.0,
+                    "in process, claims and saves share commits: {run}"
+                );
+            }
         }
         assert!(run["wal_bytes_per_saga"].as_f64().unwrap() > 0.0, "{run}");
         let (p50, p99) = (

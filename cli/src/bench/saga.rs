@@ -6,7 +6,7 @@
 //!   per step one participant transaction and one orchestrator `UPDATE`, no actor, no
 //!   broker;
 //! - `in-process`: the demo's saga without faults, the orchestrator and the step pools in
-//!   this process;
+//!   this process, each pool claiming in batches of up to `--claim-batch`;
 //! - one mode per `--transport`: the same over RabbitMQ or NATS JetStream, the
 //!   participants in this process behind the broker.
 //!
@@ -57,6 +57,11 @@ pub(crate) struct SagaBenchArgs {
     /// Sagas of each paced run.
     #[arg(long, default_value_t = 500, value_parser = args::count)]
     paced_orders: usize,
+    /// In process, the most step commands one transaction claims: the commands sent
+    /// while a step's batch runs go together in its next (1 to 10000; 1 claims each
+    /// alone).
+    #[arg(long, default_value_t = 16, value_parser = args::parallel)]
+    claim_batch: usize,
     /// Runs of every mode and load, interleaved (1 to 20).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
     runs: u32,
@@ -133,6 +138,7 @@ pub(crate) struct SagaBenchReport {
     concurrency: usize,
     paced_rate: f64,
     paced_orders: usize,
+    claim_batch: usize,
     runs: Vec<SagaRun>,
 }
 
@@ -140,8 +146,14 @@ impl fmt::Display for SagaBenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "checkout sagas on {}: {} at concurrency {} (full), {} at {}/s (paced)",
-            self.database, self.orders, self.concurrency, self.paced_orders, self.paced_rate
+            "checkout sagas on {}: {} at concurrency {} (full), {} at {}/s (paced); in process \
+             claims in batches of up to {}",
+            self.database,
+            self.orders,
+            self.concurrency,
+            self.paced_orders,
+            self.paced_rate,
+            self.claim_batch
         )?;
         writeln!(
             f,
@@ -221,6 +233,7 @@ pub(crate) async fn run(args: SagaBenchArgs) -> Result<SagaBenchReport, BoxError
                     lost_reply_rate: 0.0,
                     fail_rate: 0.0,
                     decline_rate: 0.0,
+                    claim_batch: args.claim_batch,
                     transport: match mode {
                         Mode::Broker { url, .. } => Some(DemoTransport {
                             queue_prefix: format!(
@@ -265,6 +278,7 @@ pub(crate) async fn run(args: SagaBenchArgs) -> Result<SagaBenchReport, BoxError
         concurrency: args.concurrency,
         paced_rate: args.paced_rate,
         paced_orders: args.paced_orders,
+        claim_batch: args.claim_batch,
         runs,
     })
 }

@@ -30,6 +30,12 @@ pub struct DemoConfig {
     pub fail_rate: f64,
     /// Share of orders whose card is declined. Defaults to 0.
     pub decline_rate: f64,
+    /// In process, the most step commands one transaction claims: the commands sent
+    /// while a step's batch runs go together in its next (one batch at a time per
+    /// step); 1 claims each alone, four workers side by side. A handler failure
+    /// (`fail_rate`) rolls back its whole batch, whose commands then run one by one.
+    /// Defaults to 1.
+    pub claim_batch: usize,
     /// Seed of every random choice. Defaults to 1.
     pub seed: u64,
     /// Defeat the inbox, every delivery under a new message id (the control
@@ -123,6 +129,7 @@ impl Default for DemoConfig {
             lost_reply_rate: 0.0,
             fail_rate: 0.0,
             decline_rate: 0.0,
+            claim_batch: 1,
             seed: 1,
             no_inbox: false,
             resume: false,
@@ -226,6 +233,13 @@ impl DemoConfig {
         }
         if self.concurrency == 0 {
             return Err(DemoError::Config("--concurrency must be at least 1".into()));
+        }
+        if !(1..=sagabox::inbox::MAX_BATCH).contains(&self.claim_batch) {
+            return Err(DemoError::Config(format!(
+                "--claim-batch must be within 1..={}, got {}",
+                sagabox::inbox::MAX_BATCH,
+                self.claim_batch
+            )));
         }
         self.clock()?;
         if self.clock_speed != 1.0 {

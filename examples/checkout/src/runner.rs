@@ -321,6 +321,7 @@ where
             *clock,
             definition,
             (config.fail_rate, config.seed ^ 0x5eed),
+            config.claim_batch,
             config.transport.as_ref(),
             &supervision,
         )

@@ -97,13 +97,15 @@ pub enum DemoDispatch {
 }
 
 impl DemoDispatch {
-    /// Builds the dispatch `transport` asks for (`None`: in process), with the step
-    /// handlers failing `fail_rate` of their runs after the write.
+    /// Builds the dispatch `transport` asks for (`None`: in process, each pool claiming
+    /// in batches of up to `claim_batch`), with the step handlers failing `fail_rate` of
+    /// their runs after the write.
     pub(crate) async fn start<S>(
         guard: &InboxGuard<S>,
         clock: impl Clock,
         definition: &SagaDefinition,
         (fail_rate, seed): (f64, u64),
+        claim_batch: usize,
         transport: Option<&crate::DemoTransport>,
         supervision: &Supervision,
     ) -> Result<Self, DemoError>
@@ -124,7 +126,11 @@ impl DemoDispatch {
                 )
                 .await
                 .map_err(|e| DemoError::Actor(e.to_string()))?;
-                dispatch = dispatch.with_pool(pool);
+                dispatch = if claim_batch > 1 {
+                    dispatch.with_batched_pool(pool, claim_batch)
+                } else {
+                    dispatch.with_pool(pool)
+                };
             }
             return Ok(DemoDispatch::InProcess(dispatch));
         };
