@@ -10,7 +10,11 @@ Reads, from DATA_DIR:
   soak-*.csv    the output of scripts/soak.sh (its CSV lines; the demo's JSON summary
                 after them is skipped): sagas finished per second and resident memory
                 over the run's elapsed time.
-Writes OUT_DIR/bench-ratios.svg and OUT_DIR/soak-<name>.svg for each soak file.
+  saga-bench.json  one `sagabox bench-saga --json` report: each mode's sagas per second
+                at full load, run by run with its ratio to the floor of the same run,
+                and its commits per saga at full load and paced.
+Writes OUT_DIR/bench-ratios.svg, OUT_DIR/soak-<name>.svg for each soak file and
+OUT_DIR/saga-bench.svg.
 
 Needs Python 3 and matplotlib (`pip install matplotlib`); nothing else. The SVGs carry
 no date and fixed element ids, so drawing them again from the same data changes nothing.
@@ -141,14 +145,65 @@ def draw_soak(path, out):
     plt.close(fig)
 
 
+def draw_saga_bench(path, out):
+    report = json.loads(path.read_text())
+    runs = report["runs"]
+    modes = list(dict.fromkeys(run["mode"] for run in runs))
+    full = [run for run in runs if run["load"] == "full"]
+    paced = [run for run in runs if run["load"] != "full"]
+    numbers = sorted({run["run"] for run in full})
+    fig, (rate_ax, commit_ax) = plt.subplots(
+        1, 2, figsize=(11, 4.6), gridspec_kw={"width_ratios": [3, 2]}
+    )
+    width = 0.8 / max(len(numbers), 1)
+    for i, number in enumerate(numbers):
+        by_mode = {run["mode"]: run for run in full if run["run"] == number}
+        xs = [j + (i - (len(numbers) - 1) / 2) * width for j, mode in enumerate(modes) if mode in by_mode]
+        ys = [by_mode[mode]["sagas_per_sec"] for mode in modes if mode in by_mode]
+        bars = rate_ax.bar(xs, ys, width, label=f"run {number}")
+        labels = [
+            "floor" if by_mode[mode]["ratio_to_floor"] is None else f"{by_mode[mode]['ratio_to_floor']:.2f}×"
+            for mode in modes
+            if mode in by_mode
+        ]
+        rate_ax.bar_label(bars, labels=labels, fontsize=6.5, padding=2)
+    rate_ax.set_xticks(range(len(modes)), modes)
+    rate_ax.set_ylabel("sagas / s at full load (label: × the floor of the same run)")
+    rate_ax.legend(fontsize=8)
+    rate_ax.grid(axis="y", alpha=0.3)
+    for k, (load, rows, colour) in enumerate(
+        [("full load", full, "tab:blue"), ("paced", paced, "tab:orange")]
+    ):
+        values = [
+            sum(run["commits_per_saga"] for run in rows if run["mode"] == mode)
+            / max(sum(1 for run in rows if run["mode"] == mode), 1)
+            for mode in modes
+        ]
+        bars = commit_ax.bar([j + (k - 0.5) * 0.4 for j in range(len(modes))], values, 0.4, label=load, color=colour)
+        commit_ax.bar_label(bars, labels=[f"{v:.1f}" for v in values], fontsize=7, padding=2)
+    commit_ax.set_xticks(range(len(modes)), modes)
+    commit_ax.set_ylabel("commits per saga (mean of the runs)")
+    commit_ax.set_ylim(0, max(run["commits_per_saga"] for run in runs) * 1.3)
+    commit_ax.legend(fontsize=8, loc="upper center", ncol=2)
+    commit_ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(
+        f"sagabox bench-saga: the checkout saga, {report['orders']:,} at concurrency "
+        f"{report['concurrency']} and {report['paced_orders']:,} paced at {report['paced_rate']:g}/s"
+    )
+    fig.tight_layout()
+    fig.savefig(out, metadata=SVG_METADATA)
+    plt.close(fig)
+
+
 def main():
     data = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/data")
     out = Path(sys.argv[2] if len(sys.argv) > 2 else "docs/img")
     out.mkdir(parents=True, exist_ok=True)
     bench = sorted(data.glob("bench-*.json"))
     soaks = sorted(data.glob("soak-*.csv"))
-    if not bench and not soaks:
-        sys.exit(f"nothing to draw in {data}: expected bench-*.json or soak-*.csv")
+    saga_bench = data / "saga-bench.json"
+    if not bench and not soaks and not saga_bench.exists():
+        sys.exit(f"nothing to draw in {data}: expected bench-*.json, soak-*.csv or saga-bench.json")
     if bench:
         draw_bench(bench, out / "bench-ratios.svg")
         print(out / "bench-ratios.svg")
@@ -156,6 +211,9 @@ def main():
         target = out / f"{soak.stem}.svg"
         draw_soak(soak, target)
         print(target)
+    if saga_bench.exists():
+        draw_saga_bench(saga_bench, out / "saga-bench.svg")
+        print(out / "saga-bench.svg")
 
 
 if __name__ == "__main__":
