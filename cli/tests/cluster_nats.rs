@@ -7,8 +7,11 @@
 //!
 //! The verdict is read from PostgreSQL and from the cluster, not from sagabox's
 //! counters: every saga finished, every invariant of the demo holds, each stream has its
-//! three replicas, nothing is left in a work stream or dead-lettered, and no process was
-//! restarted. The stall after each kill (the longest time no saga finished, from the kill
+//! three replicas, every consumer has settled every message of its stream (nothing left
+//! to deliver, nothing delivered and unacknowledged), nothing is dead-lettered, and no
+//! process was restarted. nats-server 2.9 can keep a message its consumer acknowledged in
+//! a replicated work queue across a leader change: such messages are counted and
+//! printed, not failed. The stall after each kill (the longest time no saga finished, from the kill
 //! until 64 more had) is printed, and so is how many stalled consumers the watchdog
 //! stepped down. The moments of the kills come from a seed the output prints; set
 //! `CLUSTER_SEED` to replay a run.
@@ -93,11 +96,14 @@ async fn a_three_node_jetstream_cluster_loses_two_nodes_in_turn_and_nothing_is_l
 
     // An ack sent to a node as it died is lost with it: JetStream redelivers that message
     // after ack_wait and the inbox answers it as a duplicate. The participants run until
-    // every stream is empty.
-    js.wait_drained(&ROLES, Duration::from_secs(120), &journal, || {
-        cluster_run::check_alive(&mut processes.0, &journal);
-    })
-    .await;
+    // every consumer has settled every message of its stream.
+    let kept = js
+        .wait_settled(&ROLES, Duration::from_secs(120), &journal, || {
+            cluster_run::check_alive(&mut processes.0, &journal);
+        })
+        .await;
+    // Settled, yet still in a stream: the server's leak, not a message left undone.
+    writeln!(journal, "acknowledged messages the streams kept: {kept}").unwrap();
     let stderr = cluster_run::stop_participants(&mut processes.0, &journal);
     let step_downs = stderr.matches("asking its leader to step down").count();
     writeln!(journal, "stalled consumers stepped down: {step_downs}").unwrap();
@@ -105,7 +111,7 @@ async fn a_three_node_jetstream_cluster_loses_two_nodes_in_turn_and_nothing_is_l
     // The verdict, from the database and the cluster.
     cluster_run::assert_database_verdict(&fx, ORDERS, &journal).await;
     for role in ROLES {
-        assert_eq!(js.pending(role).await, 0, "{journal}{role} stream drained");
+        assert_eq!(js.unsettled(role).await, 0, "{journal}{role}: every message settled");
         assert_eq!(
             js.dead(role).await,
             0,

@@ -168,6 +168,71 @@ impl Js {
         }
     }
 
+    /// How far `consumer_type`'s durable consumer is from having settled every message
+    /// of its work stream — messages not delivered yet, delivered and unacknowledged, and
+    /// sequences stored after its ack floor (a stalled consumer reports nothing pending
+    /// while its stream holds such) — and, once that is 0, how many messages the stream
+    /// still holds although the consumer acknowledged them.
+    pub async fn settlement(&self, consumer_type: &str) -> (u64, u64) {
+        let name = self.config.stream(&Self::consumer_type(consumer_type));
+        let mut stream = self.context.get_stream(&name).await.expect("stream");
+        let state = stream.info().await.expect("stream info").state.clone();
+        if state.messages == 0 {
+            return (0, 0);
+        }
+        let info = stream.consumer_info(&name).await.expect("consumer info");
+        let unsettled = info.num_pending
+            + u64::try_from(info.num_ack_pending).expect("a count")
+            + state
+                .last_sequence
+                .saturating_sub(info.ack_floor.stream_sequence);
+        let kept = if unsettled == 0 { state.messages } else { 0 };
+        (unsettled, kept)
+    }
+
+    /// Messages of `consumer_type`'s work stream its consumer has yet to settle (see
+    /// [`settlement`](Self::settlement)).
+    pub async fn unsettled(&self, consumer_type: &str) -> u64 {
+        self.settlement(consumer_type).await.0
+    }
+
+    /// Waits until the durable consumers of `consumer_types` have settled every message
+    /// of their work streams ([`settlement`](Self::settlement)), calling `alive` at every
+    /// poll (it panics when a process the streams need has exited); fails after `within`,
+    /// with `context` and what the server says of each stream and consumer. Returns how
+    /// many messages the streams still hold although their consumer acknowledged them:
+    /// nats-server 2.9 can keep such a message in a replicated work queue across a leader
+    /// change.
+    pub async fn wait_settled(
+        &self,
+        consumer_types: &[&str],
+        within: Duration,
+        context: &str,
+        mut alive: impl FnMut(),
+    ) -> u64 {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            let (mut left, mut kept) = (0, 0);
+            for consumer_type in consumer_types {
+                let (unsettled, acknowledged) = self.settlement(consumer_type).await;
+                left += unsettled;
+                kept += acknowledged;
+            }
+            if left == 0 {
+                return kept;
+            }
+            alive();
+            if std::time::Instant::now() > deadline {
+                let mut state = String::new();
+                for consumer_type in consumer_types {
+                    state.push_str(&self.describe(consumer_type).await);
+                }
+                panic!("{context}{left} messages unsettled after {within:?}\n{state}");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     /// Messages in `consumer_type`'s dead-letter stream.
     pub async fn dead(&self, consumer_type: &str) -> u64 {
         self.messages(&self.config.dead_stream(&Self::consumer_type(consumer_type)))
