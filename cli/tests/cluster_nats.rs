@@ -111,7 +111,11 @@ async fn a_three_node_jetstream_cluster_loses_two_nodes_in_turn_and_nothing_is_l
     // The verdict, from the database and the cluster.
     cluster_run::assert_database_verdict(&fx, ORDERS, &journal).await;
     for role in ROLES {
-        assert_eq!(js.unsettled(role).await, 0, "{journal}{role}: every message settled");
+        assert_eq!(
+            js.unsettled(role).await,
+            0,
+            "{journal}{role}: every message settled"
+        );
         assert_eq!(
             js.dead(role).await,
             0,
