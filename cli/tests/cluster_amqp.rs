@@ -82,8 +82,18 @@ async fn a_three_node_rabbitmq_cluster_loses_two_nodes_in_turn_and_nothing_is_lo
     let url = cluster.url();
     let management = cluster.management_url();
     // The management API of the cluster's first node: the default (the broker host's
-    // port 15672) is the machine's own broker here.
-    let flags = ["--amqp-management-url", management.as_str()];
+    // port 15672) is the machine's own broker here. The participants fail 10 % of their
+    // runs and a killed node adds a delivery to each message in flight: with the default
+    // 5 deliveries, one of the run's ~3,000 commands failing them all has a chance of
+    // about 3 %, and it would be dead-lettered. Every process that declares the queues
+    // takes the tests' limit.
+    let max_deliveries = common::rabbit::MAX_DELIVERIES.to_string();
+    let flags = [
+        "--amqp-management-url",
+        management.as_str(),
+        "--max-deliveries",
+        max_deliveries.as_str(),
+    ];
     let fx = common::Pg::new().await;
     let prefix = format!("sbxc{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
     let mut processes = common::children::Children::new(
