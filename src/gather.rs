@@ -11,7 +11,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use tokio::sync::{Mutex, mpsc, oneshot};
-use tokio::task::AbortHandle;
+use tokio::task::JoinHandle;
 
 /// An item waiting for its batch, and where its answer goes.
 type Waiting<T, R> = (T, oneshot::Sender<R>);
@@ -35,7 +35,7 @@ impl<T, R> Clone for Gather<T, R> {
 
 /// The lane tasks, aborted when dropped.
 #[derive(Debug)]
-struct Lanes(Vec<AbortHandle>);
+struct Lanes(Vec<JoinHandle<()>>);
 
 impl Drop for Lanes {
     fn drop(&mut self) {
@@ -59,12 +59,25 @@ impl<T: Send + 'static, R: Send + 'static> Gather<T, R> {
         let lanes = (0..lanes.max(1))
             .map(|_| {
                 let (receiver, run) = (Arc::clone(&receiver), Arc::clone(&run));
-                tokio::spawn(lane(receiver, max.max(1), run)).abort_handle()
+                tokio::spawn(lane(receiver, max.max(1), run))
             })
             .collect();
         Self {
             queue,
             _lanes: Arc::new(Lanes(lanes)),
+        }
+    }
+
+    /// Stops taking items and waits until the lanes have answered every item queued and
+    /// ended, dropping what `run` holds. With other clones alive the lanes go on; they
+    /// end with the last one.
+    pub(crate) async fn close(self) {
+        let Self { queue, _lanes } = self;
+        drop(queue);
+        if let Ok(mut lanes) = Arc::try_unwrap(_lanes) {
+            for lane in std::mem::take(&mut lanes.0) {
+                let _ = lane.await;
+            }
         }
     }
 

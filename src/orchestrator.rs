@@ -120,8 +120,11 @@ impl InProcess {
 
     /// Stops every pool after the commands in flight.
     pub async fn stop(self) {
-        // The batches' lane holds its pool: it ends first.
-        drop(self.batches);
+        // A batched pool is held by its lane too: the lane ends first, after the batches
+        // queued.
+        for (_, batches) in self.batches {
+            batches.close().await;
+        }
         for (_, pool) in self.pools {
             if let Ok(pool) = Arc::try_unwrap(pool) {
                 pool.stop().await;

@@ -14,7 +14,7 @@ use std::time::Duration;
 use chrono::Utc;
 use ractor::Actor;
 use sagabox::orchestrator::{
-    DriveStats, InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage,
+    Dispatch, DriveStats, InProcess, Orchestrator, OrchestratorArguments, OrchestratorMessage,
 };
 use sagabox::saga::{
     Direction, EventKind, SagaDefinition, SagaEvent, SagaInsert, SagaInstance, SagaSave,
@@ -945,6 +945,54 @@ mod group_commit {
         assert!(
             commits * 2 <= claims,
             "{claims} claims in {commits} commits: batches of two or more on average"
+        );
+    }
+
+    /// Books, holding `alive` while the pool that runs it lives.
+    #[derive(Debug, Clone)]
+    struct Held(Arc<()>);
+
+    impl StepHandler<sqlx::Postgres> for Held {
+        async fn handle(
+            &self,
+            conn: &mut sqlx::PgConnection,
+            envelope: &Envelope,
+        ) -> Result<Value, StepError> {
+            Books.handle(conn, envelope).await
+        }
+    }
+
+    /// Stopping an `InProcess` stops its batched pools too, after the batch in flight:
+    /// their handlers are gone once `stop` returns.
+    #[tokio::test]
+    async fn stopping_in_process_stops_a_batched_pool() {
+        let fx = common::Pg::new().await;
+        fx.exec(JOURNAL_DDL).await;
+        let alive = Arc::new(());
+        let guard = InboxGuard::new(fx.store(2).await, InboxConfig::default()).unwrap();
+        let flight = sagabox::ConsumerType::new("flight").unwrap();
+        let pool = StepPool::spawn(
+            guard,
+            flight.clone(),
+            Held(Arc::clone(&alive)),
+            StepPoolConfig { workers: 2 },
+        )
+        .await
+        .unwrap();
+        let dispatch = InProcess::new().with_batched_pool(pool, 8);
+        let command = Envelope::new(sagabox::MessageId::new_v7(), "book_flight", json!({}))
+            .unwrap()
+            .with_saga_id("held-1");
+        let reply = dispatch
+            .dispatch(&flight, command, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert!(!reply.duplicate);
+        dispatch.stop().await;
+        assert_eq!(
+            Arc::strong_count(&alive),
+            1,
+            "the pool's handlers are dropped"
         );
     }
 }
