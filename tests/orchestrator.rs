@@ -948,9 +948,11 @@ mod group_commit {
         );
     }
 
-    /// Books, holding `alive` while the pool that runs it lives.
+    /// Books; its `alive` count tells whether the pool that runs it still lives.
     #[derive(Debug, Clone)]
-    struct Held(Arc<()>);
+    struct Held {
+        _alive: Arc<()>,
+    }
 
     impl StepHandler<sqlx::Postgres> for Held {
         async fn handle(
@@ -974,7 +976,9 @@ mod group_commit {
         let pool = StepPool::spawn(
             guard,
             flight.clone(),
-            Held(Arc::clone(&alive)),
+            Held {
+                _alive: Arc::clone(&alive),
+            },
             StepPoolConfig { workers: 2 },
         )
         .await
