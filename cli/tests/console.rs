@@ -821,6 +821,50 @@ async fn a_real_browser_loads_the_pages_and_clicks_through_to_a_saga() {
         let alerts = browser.get_alert_text().await;
         assert!(alerts.is_err(), "no alert opened: {alerts:?}");
 
+        // The parked saga retried with a note typed into its form, then cancelled: each
+        // click posts its form and lands on the saga's page, which shows the new state.
+        assert_eq!(state_shown(&browser, "parked").await?, "parked");
+        let note = browser
+            .find(Locator::Css("form.action[action$='/retry'] input[name='note']"))
+            .await?;
+        note.clear().await?;
+        note.send_keys("fixed in the browser").await?;
+        browser
+            .find(Locator::Css("form.action[action$='/retry'] button"))
+            .await?
+            .click()
+            .await?;
+        assert_eq!(state_shown(&browser, "running").await?, "running");
+        let retry_forms = browser
+            .find_all(Locator::Css("form.action[action$='/retry']"))
+            .await?;
+        assert!(retry_forms.is_empty(), "no retry for a saga that is not parked");
+        assert_eq!(
+            saga_row(&fx, "'retried'").await,
+            (
+                "running".to_owned(),
+                false,
+                "test-operator: console: fixed in the browser".to_owned()
+            )
+        );
+        browser
+            .find(Locator::Css("form.action[action$='/cancel'] button"))
+            .await?
+            .click()
+            .await?;
+        assert_eq!(state_shown(&browser, "compensating").await?, "compensating");
+        assert_eq!(
+            saga_row(&fx, "'cancelled'").await,
+            (
+                "compensating".to_owned(),
+                false,
+                "test-operator: console: cancelled from the console".to_owned()
+            )
+        );
+        let shot = browser.screenshot().await?;
+        assert_not_blank(&shot, "cancelled saga");
+        std::fs::write(shots.join("console-cancelled.png"), &shot).unwrap();
+
         // The dead letters, from the menu; "Replay all" sends them back to their queue
         // and the page, shown again, has none left.
         browser.goto(&console.url("/")).await?;
@@ -875,6 +919,51 @@ async fn a_real_browser_loads_the_pages_and_clicks_through_to_a_saga() {
         "replayed to the source queue"
     );
     assert_eq!(rabbit.ready(&rabbit.dead_queue("payment")).await, 0);
+}
+
+/// The state the saga page in `browser` shows, once it shows `expected` or after ten
+/// seconds: a click that posts a form replaces the page, and until the new one is
+/// there a read finds the old page, or an element gone with it.
+async fn state_shown(
+    browser: &fantoccini::Client,
+    expected: &str,
+) -> Result<String, fantoccini::error::CmdError> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let read = async {
+            browser
+                .find(fantoccini::Locator::Css("#state"))
+                .await?
+                .text()
+                .await
+        }
+        .await;
+        match read {
+            Ok(state) if state == expected || std::time::Instant::now() > deadline => {
+                return Ok(state);
+            }
+            Err(error) if std::time::Instant::now() > deadline => return Err(error),
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+/// The hostile saga's status, whether it is parked, and the detail of its one event of
+/// `kind` (an SQL literal).
+async fn saga_row(fx: &common::Pg, kind: &str) -> (String, bool, String) {
+    let (status, parked): (String, bool) = sqlx::query_as(
+        "SELECT status, parked_reason IS NOT NULL FROM sagabox_saga_instances WHERE id = 'hostile-1'",
+    )
+    .fetch_one(&fx.pool)
+    .await
+    .unwrap();
+    let detail: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT detail FROM sagabox_saga_events WHERE saga_id = 'hostile-1' AND kind = {kind}"
+    )))
+    .fetch_one(&fx.pool)
+    .await
+    .unwrap();
+    (status, parked, detail)
 }
 
 /// A fresh, empty folder for the browser's profile.
