@@ -11,6 +11,10 @@
 //! pending: they are published again, with the same message id, and the consumer's inbox
 //! absorbs the repeat.
 //!
+//! The relay passes on a poll ([`RelayConfig::poll_interval`]) and, on PostgreSQL, as
+//! soon as a transaction that wrote outbox rows commits: it listens for the outbox's
+//! `NOTIFY` ([`listen`]), so a row's wait for the broker is a pass, not half a poll.
+//!
 //! On a broker or database error the relay drops its connection and tries again at a
 //! later tick with exponential backoff. Sent rows older than
 //! [`RelayConfig::keep_sent`] are deleted on a timer.
@@ -22,6 +26,10 @@ use chrono::Utc;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use sqlx::Database;
 
+mod listen;
+
+pub use self::listen::RelayWaker;
+
 use crate::outbox::{OutboxReader, OutboxRow};
 use crate::schema::Schema;
 use crate::transport::{Sender, Sent, Transport, TransportError};
@@ -31,8 +39,12 @@ use crate::transport::{Sender, Sent, Transport, TransportError};
 pub struct RelayConfig {
     /// Rows per pass (one transaction). Defaults to 100.
     pub batch: i64,
-    /// How often the relay looks for pending rows. Defaults to 50 ms.
+    /// How often the relay looks for pending rows. Defaults to 50 ms. A relay that
+    /// listens ([`RelayConfig::listen`]) is woken by commits; its poll is the fallback.
     pub poll_interval: Duration,
+    /// Whether the relay listens for commits to the outbox where the database announces
+    /// them ([`OutboxSource::listen`]: PostgreSQL). Defaults to true.
+    pub listen: bool,
     /// How long sent rows are kept before they are deleted. Defaults to one day.
     pub keep_sent: Duration,
     /// How often sent rows are pruned. Defaults to one minute.
@@ -44,6 +56,7 @@ impl Default for RelayConfig {
         Self {
             batch: 100,
             poll_interval: Duration::from_millis(50),
+            listen: true,
             keep_sent: Duration::from_secs(24 * 3600),
             prune_interval: Duration::from_secs(60),
         }
@@ -87,6 +100,15 @@ pub trait OutboxSource: Clone + Send + Sync + 'static {
     {
         self.pool().begin()
     }
+
+    /// Starts a task that wakes the relay through `waker` whenever outbox rows commit,
+    /// if the database announces commits; the relay aborts it when it stops. Defaults to
+    /// none: the relay finds rows by its poll alone. PostgreSQL's listens for the
+    /// outbox trigger's `NOTIFY` on a connection of its own.
+    fn listen(&self, waker: RelayWaker) -> Option<tokio::task::JoinHandle<()>> {
+        let _ = waker;
+        None
+    }
 }
 
 #[cfg(feature = "postgres")]
@@ -97,6 +119,9 @@ impl OutboxSource for sqlx::PgPool {
     }
     fn schema(&self) -> Schema {
         Schema::default()
+    }
+    fn listen(&self, waker: RelayWaker) -> Option<tokio::task::JoinHandle<()>> {
+        Some(listen::listen(self, Schema::default(), waker))
     }
 }
 
@@ -125,6 +150,13 @@ impl OutboxSource for crate::PostgresStore {
     fn schema(&self) -> Schema {
         crate::PostgresStore::schema(self).clone()
     }
+    fn listen(&self, waker: RelayWaker) -> Option<tokio::task::JoinHandle<()>> {
+        Some(listen::listen(
+            crate::PostgresStore::pool(self),
+            crate::PostgresStore::schema(self).clone(),
+            waker,
+        ))
+    }
 }
 
 #[cfg(feature = "sqlite")]
@@ -148,6 +180,8 @@ impl OutboxSource for crate::SqliteStore {
 pub enum RelayMessage {
     /// Publish what is pending (sent by the relay's own timer).
     Tick,
+    /// Publish what is pending: rows committed ([`RelayWaker`]).
+    Wake,
     /// Publish everything pending now; answers how many rows were published, or why not.
     Flush(RpcReplyPort<Result<usize, String>>),
 }
@@ -170,6 +204,8 @@ pub struct RelayState<P> {
     transport: Transport,
     config: RelayConfig,
     sender: Option<Sender>,
+    waker: Option<RelayWaker>,
+    listener: Option<tokio::task::JoinHandle<()>>,
     failures: u32,
     retry_at: Instant,
     pruned_at: Instant,
@@ -215,12 +251,18 @@ where
             .into());
         }
         myself.send_interval(args.config.poll_interval, || RelayMessage::Tick);
+        let waker = args.config.listen.then(|| RelayWaker::new(myself.clone()));
+        let listener = waker
+            .as_ref()
+            .and_then(|waker| args.source.listen(waker.clone()));
         let now = Instant::now();
         Ok(RelayState {
             source: args.source,
             transport: args.transport,
             config: args.config,
             sender: None,
+            waker,
+            listener,
             failures: 0,
             retry_at: now,
             pruned_at: now,
@@ -232,6 +274,9 @@ where
         _myself: ActorRef<Self::Msg>,
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
+        if let Some(listener) = state.listener.take() {
+            listener.abort();
+        }
         if let Some(sender) = state.sender.take() {
             sender.close().await;
         }
@@ -250,6 +295,14 @@ where
                     let _ = state.drain().await;
                 }
                 state.prune().await;
+            }
+            RelayMessage::Wake => {
+                if let Some(waker) = &state.waker {
+                    waker.taken();
+                }
+                if Instant::now() >= state.retry_at {
+                    let _ = state.drain().await;
+                }
             }
             RelayMessage::Flush(reply) => {
                 let _ = reply.send(state.drain().await.map_err(|error| error.to_string()));

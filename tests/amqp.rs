@@ -448,6 +448,97 @@ async fn rows_published_by_a_relay_that_failed_before_marking_go_again_and_apply
     );
 }
 
+/// The outbox rows still pending.
+async fn pending(pg: &Pg) -> i64 {
+    pg.scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")
+        .await
+}
+
+/// A relay whose poll never comes (an hour) publishes on PostgreSQL's `NOTIFY` alone:
+/// the rows committed before it listened, each later commit, and again after its
+/// listening connection is killed; a rolled-back write wakes it to nothing. A relay told
+/// not to listen leaves the same rows to its poll.
+#[tokio::test]
+async fn a_relay_is_woken_by_commits_without_its_poll_and_after_its_listener_is_killed() {
+    let (pg, rabbit) = (Pg::new().await, Rabbit::new(&["email"]).await);
+    let spawn = async |listen: bool| {
+        Actor::spawn(
+            None,
+            Relay::new(),
+            RelayArguments {
+                source: pg.pool.clone(),
+                transport: rabbit.config.clone().into(),
+                config: RelayConfig {
+                    poll_interval: Duration::from_secs(3600),
+                    listen,
+                    ..relay_config()
+                },
+            },
+        )
+        .await
+        .unwrap()
+    };
+    let listening = || async {
+        pg.scalar(
+            "SELECT COUNT(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+        )
+        .await
+            == 1
+    };
+
+    // Told not to listen: nothing but its poll would publish.
+    write_outbox(&pg, 1, 3).await;
+    let (deaf, deaf_handle) = spawn(false).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        pending(&pg).await,
+        3,
+        "a relay that does not listen waits for its poll"
+    );
+    deaf.stop(None);
+    deaf_handle.await.unwrap();
+
+    let (relay, handle) = spawn(true).await;
+    common::wait_for("the rows from before it listened sent", async || {
+        pending(&pg).await == 0
+    })
+    .await;
+    for round in 1..=3 {
+        write_outbox(&pg, 2, round).await;
+        common::wait_for("a commit's rows sent", async || pending(&pg).await == 0).await;
+    }
+    let mut tx = pg.pool.begin().await.unwrap();
+    let out = <PgConnection as OutboxWriter>::message("notify", json!({"rolled": "back"})).unwrap();
+    (*tx)
+        .publish(&ConsumerType::new("email").unwrap(), "order-x", &out)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+
+    // Its listening connection killed: it listens again, and commits wake it again.
+    common::wait_for("the relay listening", listening).await;
+    pg.exec(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+    )
+    .await;
+    common::wait_for("the relay listening again", listening).await;
+    write_outbox(&pg, 1, 4).await;
+    common::wait_for("rows sent after the kill", async || pending(&pg).await == 0).await;
+    relay.stop(None);
+    handle.await.unwrap();
+
+    rabbit
+        .wait_ready(&rabbit.queue("email"), 3 + 2 * (1 + 2 + 3) + 4)
+        .await;
+    assert_eq!(
+        pg.scalar("SELECT COUNT(*) FROM sagabox_outbox").await,
+        19,
+        "the rolled-back row was never written"
+    );
+}
+
 #[tokio::test]
 async fn several_relays_publish_each_row_once_in_order_per_aggregate() {
     const AGGREGATES: usize = 8;
