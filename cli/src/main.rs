@@ -1,5 +1,6 @@
 //! The `sagabox` command line: `demo`, `serve`, `orchestrate`, `migrate`, `prune`,
-//! `inspect`, `saga`, `dlq`, `bench`, `bench-broker`, `bench-saga`, `console`. This file parses the
+//! `inspect`, `saga`, `dlq`, `bench`, `bench-broker`, `bench-saga`, `bench-relay`, `console`. This
+//! file parses the
 //! command line and hands each subcommand to its module, which holds its options and
 //! runs it; the helpers every subcommand reports through live here.
 //!
@@ -120,6 +121,13 @@ enum Command {
     /// on a scratch database of its own, dropped afterwards.
     #[command(name = "bench-saga", allow_negative_numbers = true)]
     BenchSaga(bench::saga::SagaBenchArgs),
+    /// Measure how long an outbox row waits for its broker on PostgreSQL: rows committed
+    /// one by one at --rate, each timed from its commit to the broker's confirm, sent by
+    /// the writer itself (the floor), by the relay woken by the commit's NOTIFY, and by
+    /// the relay's poll alone. A scratch schema and a scratch queue or stream, removed
+    /// afterwards.
+    #[command(name = "bench-relay")]
+    BenchRelay(bench::relay::RelayBenchArgs),
     /// Read and replay a RabbitMQ dead-letter queue (<queue>.dead): `list` shows the dead
     /// letters without taking them, `replay` sends them back to their queue.
     #[command(subcommand)]
@@ -248,6 +256,7 @@ async fn main() -> ExitCode {
         Command::Bench(args) => Some(("bench", &args.database_url)),
         Command::BenchBroker(args) => Some(("bench-broker", &args.database_url)),
         Command::BenchSaga(args) => Some(("bench-saga", &args.database_url)),
+        Command::BenchRelay(args) => Some(("bench-relay", &args.database_url)),
         Command::Saga { command } => Some(("saga", command.database_url())),
         Command::Console(args) => Some(("console", &args.database_url)),
         // The broker only.
@@ -327,6 +336,12 @@ async fn run(command: Command) -> Result<ExitCode, ExitCode> {
             postgres_only("bench-saga", "saga", &args.database_url);
             let json = args.json;
             report("bench-saga", bench::saga::run(args).await, json)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::BenchRelay(args) => {
+            postgres_only("bench-relay", "relay", &args.database_url);
+            let json = args.json;
+            report("bench-relay", bench::relay::run(args).await, json)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Saga { command } => {

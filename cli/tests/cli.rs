@@ -535,6 +535,58 @@ async fn bench_saga_measures_every_mode_against_the_floor_and_leaves_nothing_beh
     );
 }
 
+/// `bench-relay` on a small scale over both brokers: every mode reports every row it
+/// was asked for, timed from commit to confirm, with its ratio to the floor; the scratch
+/// schema and the streams are removed.
+#[tokio::test]
+async fn bench_relay_times_every_mode_and_leaves_nothing_behind() {
+    let db = common::Pg::new().await;
+    let nats = jetstream::nats_url();
+    for broker in [common::rabbit::amqp_url(), nats.clone()] {
+        let out = stdout(&sagabox(&[
+            "bench-relay",
+            "--database-url",
+            &db.url,
+            "--transport",
+            &broker,
+            "--rows",
+            "30",
+            "--rate",
+            "200",
+            "--warm-up",
+            "5",
+            "--json",
+        ]));
+        let report: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+        let modes = report["modes"].as_array().expect("modes");
+        let names: Vec<&str> = modes.iter().map(|m| m["mode"].as_str().unwrap()).collect();
+        assert_eq!(names, ["floor", "listen", "poll"], "{report}");
+        for mode in modes {
+            assert_eq!(mode["rows"], 30, "{report}");
+            let (p50, p99) = (
+                mode["p50_ms"].as_f64().unwrap(),
+                mode["p99_ms"].as_f64().unwrap(),
+            );
+            assert!(p50 > 0.0 && p99 >= p50, "{report}");
+            assert!(mode["p50_vs_floor"].as_f64().unwrap() > 0.0, "{report}");
+        }
+        assert_eq!(modes[0]["p50_vs_floor"], 1.0, "{report}");
+    }
+    assert_eq!(
+        db.scalar("SELECT COUNT(*) FROM pg_namespace WHERE nspname LIKE 'sagabox_bench_relay_%'")
+            .await,
+        0,
+        "the scratch schema is dropped"
+    );
+    let streams = stream_names(&nats).await;
+    assert!(
+        !streams
+            .iter()
+            .any(|name| name.starts_with("sagabox-bench-relay")),
+        "the bench's streams are deleted: {streams:?}"
+    );
+}
+
 /// `--prefill` and `--prune-rows` on a small scale: the figures are there and say what
 /// they measured (the row counts it was asked for; a drop that moved the rows out).
 #[tokio::test]
@@ -659,6 +711,10 @@ fn usage_errors_exit_with_status_2() {
             "the broker bench runs on PostgreSQL",
         ),
         (&["bench-saga"], "the saga bench runs on PostgreSQL"),
+        (
+            &["bench-relay", "--transport", amqp],
+            "the relay bench runs on PostgreSQL",
+        ),
         (
             &["bench-saga", "--paced-rate", "-1"],
             "is not a rate: give sagas per second from 0",

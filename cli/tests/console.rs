@@ -825,7 +825,9 @@ async fn a_real_browser_loads_the_pages_and_clicks_through_to_a_saga() {
         // click posts its form and lands on the saga's page, which shows the new state.
         assert_eq!(state_shown(&browser, "parked").await?, "parked");
         let note = browser
-            .find(Locator::Css("form.action[action$='/retry'] input[name='note']"))
+            .find(Locator::Css(
+                "form.action[action$='/retry'] input[name='note']",
+            ))
             .await?;
         note.clear().await?;
         note.send_keys("fixed in the browser").await?;
@@ -838,7 +840,10 @@ async fn a_real_browser_loads_the_pages_and_clicks_through_to_a_saga() {
         let retry_forms = browser
             .find_all(Locator::Css("form.action[action$='/retry']"))
             .await?;
-        assert!(retry_forms.is_empty(), "no retry for a saga that is not parked");
+        assert!(
+            retry_forms.is_empty(),
+            "no retry for a saga that is not parked"
+        );
         assert_eq!(
             saga_row(&fx, "'retried'").await,
             (

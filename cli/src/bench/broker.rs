@@ -83,7 +83,7 @@ pub(crate) struct BrokerBenchArgs {
 }
 
 /// Parses `--transport`: RabbitMQ or NATS JetStream.
-fn broker_url(url: &str) -> Result<String, String> {
+pub(super) fn broker_url(url: &str) -> Result<String, String> {
     if ["amqp://", "amqps://", "nats://"]
         .iter()
         .any(|scheme| url.starts_with(scheme))

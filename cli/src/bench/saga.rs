@@ -23,10 +23,10 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
+use sagabox::InboxConfig;
 use sagabox::Schema;
 use sagabox::logging::redact;
 use sagabox::transport::Transport;
-use sagabox::{ConsumerType, InboxConfig};
 use sagabox_checkout::{DemoConfig, DemoTransport};
 use serde::Serialize;
 use sqlx::{PgPool, Row};
@@ -256,7 +256,18 @@ pub(crate) async fn run(args: SagaBenchArgs) -> Result<SagaBenchReport, BoxError
                 )
                 .await;
                 if let Some(transport) = &config.transport {
-                    remove_queues(transport).await;
+                    super::remove_queues(
+                        &transport.url,
+                        &transport.queue_prefix,
+                        &[
+                            "payment",
+                            "inventory",
+                            "email",
+                            sagabox_checkout::ORCHESTRATOR,
+                        ],
+                        "bench-saga",
+                    )
+                    .await;
                 }
                 drop_database(&admin, &name).await;
                 let mut figures = measured?;
@@ -507,56 +518,6 @@ async fn drop_database(admin: &PgPool, name: &str) {
     .await;
     if let Err(error) = dropped {
         tracing::warn!(database = name, %error, "the scratch database was not dropped");
-    }
-}
-
-/// Removes the queues or streams a broker run declared (its participants' and the
-/// orchestrator's, with their dead-letter queues).
-async fn remove_queues(transport: &DemoTransport) {
-    let Ok(config) = Transport::from_url(&transport.url, &transport.queue_prefix) else {
-        return;
-    };
-    let consumers: Vec<ConsumerType> = [
-        "payment",
-        "inventory",
-        "email",
-        sagabox_checkout::ORCHESTRATOR,
-    ]
-    .into_iter()
-    .filter_map(|name| ConsumerType::new(name).ok())
-    .collect();
-    match config {
-        Transport::Amqp(config) => {
-            let Ok(connection) = sagabox::amqp::connect(&config, "bench-saga").await else {
-                return;
-            };
-            for consumer in &consumers {
-                for queue in [config.queue(consumer), config.dead_queue(consumer)] {
-                    // A channel each: a refused delete closes its channel.
-                    if let Ok(channel) = connection.create_channel().await {
-                        let _ = channel
-                            .queue_delete(queue.as_str().into(), Default::default())
-                            .await;
-                        let _ = channel.close(200, "deleted".into()).await;
-                    }
-                }
-            }
-            let _ = connection.close(200, "bench-saga done".into()).await;
-        }
-        Transport::Nats(config) => {
-            let Ok(client) = sagabox::nats::connect(&config, "bench-saga").await else {
-                return;
-            };
-            let jetstream = async_nats::jetstream::new(client.clone());
-            for consumer in &consumers {
-                for stream in [config.stream(consumer), config.dead_stream(consumer)] {
-                    let _ = jetstream.delete_stream(&stream).await;
-                }
-            }
-            let _ = client.flush().await;
-        }
-        // A broker this build does not know declared nothing.
-        _ => {}
     }
 }
 
