@@ -114,7 +114,19 @@ impl fmt::Display for DemoSummary {
             ("stock drift", self.stock_drift.to_string()),
             ("unbalanced refunds", self.unbalanced_refunds.to_string()),
             ("elapsed", format!("{} ms", self.elapsed_ms)),
-            ("sagas/s", format!("{:.0}", self.sagas_per_sec)),
+            (
+                "sagas/s",
+                format!(
+                    "{:.0}{}",
+                    self.sagas_per_sec,
+                    // `cargo run` builds without optimisation: say so beside the rate.
+                    if cfg!(debug_assertions) {
+                        " (a debug build: --release for the optimised rate)"
+                    } else {
+                        ""
+                    }
+                ),
+            ),
             (
                 "clock",
                 if self.clock_speed == 1.0 {
