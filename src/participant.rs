@@ -111,10 +111,11 @@ pub struct StepOptions {
     /// of the participant's ([`Participant::timeout`]). Defaults to `None`.
     pub timeout: Option<Duration>,
     /// Claims the deliveries the consumer holds at once in batches of up to this many,
-    /// one transaction and one commit per batch
-    /// ([`transport::serve_step`] with a batch, closed after
-    /// [`BATCH_LINGER`]); each command still gets its own reply and ack. At most the
-    /// prefetch. Defaults to `None`: one at a time.
+    /// one transaction and one commit per batch, one batch at a time: a command that
+    /// arrives while no batch runs goes at once, alone; those that arrive while one runs
+    /// go together in the next ([`GroupCommit`](crate::batching::GroupCommit)). Each
+    /// command still gets its own reply and ack. At most the prefetch. Defaults to
+    /// `None`: one at a time, on the step's workers side by side.
     pub batch: Option<usize>,
 }
 
@@ -148,10 +149,6 @@ impl StepOptions {
 pub const DEFAULT_WORKERS: usize = 4;
 /// The default time a delivery waits for its handler's answer.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a batch of a batched step ([`StepOptions::batch`]) waits for more
-/// deliveries before it is claimed: short, since the deliveries a consumer holds arrive
-/// together.
-pub const BATCH_LINGER: Duration = Duration::from_millis(2);
 
 /// A participant service: step handlers behind RabbitMQ, the outbox relay, the pruner
 /// and the metrics endpoint, configured with the builder methods and run with
@@ -583,7 +580,8 @@ impl<S: InboxStore + Clone> Participant<S> {
                 step.options.kinds.into_iter().collect(),
                 checked.timeout,
                 checked.batch,
-                BATCH_LINGER,
+                // One batch at a time, formed by what arrives while one runs.
+                Duration::ZERO,
                 guard.config(),
             )
             .await?;

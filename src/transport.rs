@@ -218,7 +218,9 @@ pub async fn consume<H: DeliveryHandler>(
 /// Serves `pool` on the transport: its consumer type's commands of `kinds` run through
 /// the pool (and so its inbox, configured as `inbox`), each waiting up to `timeout`,
 /// replied to and acked after commit. With `batch` above 1, the messages the consumer
-/// holds at once are claimed in batches of up to `batch`, closed after `linger`.
+/// holds at once are claimed in batches of up to `batch`: one batch at a time with a
+/// zero `linger` ([`GroupCommit`](crate::batching::GroupCommit)), else closed `linger`
+/// after their first command ([`Batching`](crate::batching::Batching)).
 pub async fn serve_step(
     transport: &Transport,
     pool: Arc<StepPool>,

@@ -35,9 +35,10 @@ pub(crate) struct DemoArgs {
     /// Share of orders whose card is declined (0..=1).
     #[arg(long, default_value_t = 0.05, value_parser = args::rate)]
     pub(crate) decline_rate: f64,
-    /// In process, the most step commands one transaction claims: the commands sent
-    /// while a step's batch runs go together in its next (1 to 10000). A failing
-    /// handler (--fail-rate) rolls back its whole batch, which then runs one by one.
+    /// The most step commands one transaction claims, in process or in the participants
+    /// this process runs behind a broker: the commands that arrive while a step's batch
+    /// runs go together in its next (1 to 10000). A failing handler (--fail-rate) rolls
+    /// back its whole batch, which then runs one by one.
     #[arg(long, default_value_t = 1, value_parser = args::parallel)]
     pub(crate) claim_batch: usize,
     /// Seed of the orders and of the fault draws. The order in which concurrent

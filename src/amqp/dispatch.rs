@@ -19,7 +19,7 @@ use std::time::Duration;
 use super::broker::{self, Publisher, Routing};
 use super::config::{AmqpConfig, AmqpError};
 use super::consumer::{Consumer, ConsumerOptions};
-use crate::batching::Batching;
+use crate::batching::{Batching, GroupCommit};
 use crate::consumer::ConsumerHandle;
 use crate::envelope::{ConsumerType, Envelope};
 use crate::orchestrator::Dispatch;
@@ -66,9 +66,11 @@ pub(crate) async fn serve_step_in_batches(
 }
 
 /// [`serve_step`] with batched claims: the deliveries the consumer holds at once (set
-/// its prefetch to at least `max`) are gathered into batches of up to `max`, closed
-/// after `linger`, and run with [`StepPool::deliver_batch`] — one transaction and one
-/// commit per batch. Each command still gets its own reply and ack; a batch that fails
+/// its prefetch to at least `max`) are gathered into batches of up to `max` and run
+/// with [`StepPool::deliver_batch`] — one transaction and one commit per batch. A zero
+/// `linger` runs one batch at a time ([`GroupCommit`]: a command arriving while none
+/// runs goes alone, at once); otherwise a batch closes `linger` after its first
+/// command ([`Batching`]). Each command still gets its own reply and ack; a batch that fails
 /// as a whole is run one by one, so a bad command fails alone.
 pub async fn serve_step_batched(
     config: AmqpConfig,
@@ -79,11 +81,15 @@ pub async fn serve_step_batched(
     linger: Duration,
 ) -> Result<ConsumerHandle, AmqpError> {
     let options = ConsumerOptions::new(pool.consumer_type().clone(), kinds);
-    let handler = Batching::new(max, linger, move |commands: Vec<Envelope>| {
+    let run = move |commands: Vec<Envelope>| {
         let pool = Arc::clone(&pool);
         async move { batch_dispositions(&pool, commands, timeout).await }
-    });
-    Consumer::spawn(config, options, handler).await
+    };
+    if linger.is_zero() {
+        Consumer::spawn(config, options, GroupCommit::new(max, run)).await
+    } else {
+        Consumer::spawn(config, options, Batching::new(max, linger, run)).await
+    }
 }
 
 /// Sends step commands through RabbitMQ and waits for their replies: the

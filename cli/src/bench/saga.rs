@@ -8,7 +8,8 @@
 //! - `in-process`: the demo's saga without faults, the orchestrator and the step pools in
 //!   this process, each pool claiming in batches of up to `--claim-batch`;
 //! - one mode per `--transport`: the same over RabbitMQ or NATS JetStream, the
-//!   participants in this process behind the broker.
+//!   participants in this process behind the broker, each step's consumer claiming in
+//!   batches of up to `--claim-batch` too.
 //!
 //! Each mode runs at full load (`--orders` at `--concurrency`) and paced (`--paced-orders`
 //! at `--paced-rate` sagas/s, for a saga's time without queueing). Per run: sagas/s, the
@@ -57,9 +58,9 @@ pub(crate) struct SagaBenchArgs {
     /// Sagas of each paced run.
     #[arg(long, default_value_t = 500, value_parser = args::count)]
     paced_orders: usize,
-    /// In process, the most step commands one transaction claims: the commands sent
-    /// while a step's batch runs go together in its next (1 to 10000; 1 claims each
-    /// alone).
+    /// The most step commands one transaction claims, in process and behind each
+    /// broker: the commands that arrive while a step's batch runs go together in its
+    /// next (1 to 10000; 1 claims each alone).
     #[arg(long, default_value_t = 16, value_parser = args::parallel)]
     claim_batch: usize,
     /// Runs of every mode and load, interleaved (1 to 20).

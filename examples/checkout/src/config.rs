@@ -30,9 +30,10 @@ pub struct DemoConfig {
     pub fail_rate: f64,
     /// Share of orders whose card is declined. Defaults to 0.
     pub decline_rate: f64,
-    /// In process, the most step commands one transaction claims: the commands sent
-    /// while a step's batch runs go together in its next (one batch at a time per
-    /// step); 1 claims each alone, four workers side by side. A handler failure
+    /// The most step commands one transaction claims, in process or in the participants
+    /// this process runs behind a broker: the commands that arrive while a step's batch
+    /// runs go together in its next (one batch at a time per step); 1 claims each alone,
+    /// four workers side by side. A handler failure
     /// (`fail_rate`) rolls back its whole batch, whose commands then run one by one.
     /// Defaults to 1.
     pub claim_batch: usize,

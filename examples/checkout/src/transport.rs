@@ -97,9 +97,10 @@ pub enum DemoDispatch {
 }
 
 impl DemoDispatch {
-    /// Builds the dispatch `transport` asks for (`None`: in process, each pool claiming
-    /// in batches of up to `claim_batch`), with the step handlers failing `fail_rate` of
-    /// their runs after the write.
+    /// Builds the dispatch `transport` asks for (`None`: in process), each step claiming
+    /// in batches of up to `claim_batch` (the participants behind a broker too, when
+    /// this process runs them), with the step handlers failing `fail_rate` of their runs
+    /// after the write.
     pub(crate) async fn start<S>(
         guard: &InboxGuard<S>,
         clock: impl Clock,
@@ -145,7 +146,7 @@ impl DemoDispatch {
                 &roles,
                 fail_rate,
                 seed,
-                1,
+                claim_batch,
             )?
             .clock(clock)
             .workers(4)
