@@ -13,7 +13,8 @@
 //!
 //! The relay passes on a poll ([`RelayConfig::poll_interval`]) and, on PostgreSQL, as
 //! soon as a transaction that wrote outbox rows commits: it listens for the outbox's
-//! `NOTIFY` ([`listen`]), so a row's wait for the broker is a pass, not half a poll.
+//! `NOTIFY` ([`OutboxSource::listen`], [`RelayWaker`]), so a row's wait for the broker
+//! is a pass, not half a poll.
 //!
 //! On a broker or database error the relay drops its connection and tries again at a
 //! later tick with exponential backoff. Sent rows older than
