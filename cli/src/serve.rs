@@ -36,8 +36,9 @@ pub(crate) struct ServeArgs {
     /// Workers per step pool (1 to 10000).
     #[arg(long, default_value_t = 4, value_parser = args::parallel)]
     pub(crate) workers: usize,
-    /// Commands claimed per batch, in one transaction (1: one at a time; at most
-    /// the prefetch).
+    /// Commands claimed per batch, in one transaction, one batch at a time per step: the
+    /// commands that arrive while a batch runs go in the next (1: one at a time, on the
+    /// workers side by side; at most the prefetch).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
     pub(crate) batch: u16,
     /// Share of handler runs failing after their write, before commit (0..1).
