@@ -10,9 +10,9 @@
 //! - [`orchestrate`](crate::orchestrate::orchestrate) runs the orchestrator as a service
 //!   on this transport — any saga definitions, started by start messages on
 //!   `<prefix>.<saga>.start`, resumed after a crash.
-//! - [`Batching`](crate::batching::Batching) and [`serve_step_batched`]: the deliveries
-//!   a consumer holds at once,
-//!   claimed as one batch ([`InboxGuard::process_batch`](crate::InboxGuard::process_batch)).
+//! - [`serve_step_batched`]: the deliveries a consumer holds claimed in batches, one at a
+//!   time ([`GroupCommit`](crate::batching::GroupCommit),
+//!   [`InboxGuard::process_batch`](crate::InboxGuard::process_batch)).
 //! - [`DeadLetterQueue`]: an operator's view of `<queue>.dead` — list the dead letters
 //!   without taking them, replay them to their source queue under their own message id
 //!   (through [`DeadLetters`](crate::dlq::DeadLetters), for either broker).

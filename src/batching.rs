@@ -5,7 +5,8 @@
 //! - [`Batching`]: the consumer runs up to `prefetch` deliveries concurrently; each
 //!   one's `handle` call puts its envelope into the open batch and waits. The batch goes
 //!   to the batch function when it holds `max` envelopes or `linger` after its first
-//!   arrived, whichever is first, so several batches may run at once.
+//!   arrived, whichever is first, so several batches may run at once (and handlers that
+//!   lock shared rows in different orders may deadlock across them).
 //! - [`GroupCommit`]: one batch at a time. A delivery that arrives while no batch runs
 //!   goes at once, alone; those that arrive while one runs go together in the next. No
 //!   delivery waits for company, and two batches of one consumer never lock the same

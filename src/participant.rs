@@ -580,8 +580,6 @@ impl<S: InboxStore + Clone> Participant<S> {
                 step.options.kinds.into_iter().collect(),
                 checked.timeout,
                 checked.batch,
-                // One batch at a time, formed by what arrives while one runs.
-                Duration::ZERO,
                 guard.config(),
             )
             .await?;

@@ -292,18 +292,14 @@ where
     ) -> Result<(), ActorProcessingErr> {
         match message {
             RelayMessage::Tick => {
-                if Instant::now() >= state.retry_at {
-                    let _ = state.drain().await;
-                }
+                state.drain_unless_backing_off().await;
                 state.prune().await;
             }
             RelayMessage::Wake => {
                 if let Some(waker) = &state.waker {
                     waker.taken();
                 }
-                if Instant::now() >= state.retry_at {
-                    let _ = state.drain().await;
-                }
+                state.drain_unless_backing_off().await;
             }
             RelayMessage::Flush(reply) => {
                 let _ = reply.send(state.drain().await.map_err(|error| error.to_string()));
@@ -319,6 +315,13 @@ where
     for<'c> &'c mut <P::Db as Database>::Connection: sqlx::Executor<'c, Database = P::Db>,
     <P::Db as Database>::Connection: OutboxReader,
 {
+    /// [`drain`](Self::drain), unless a failed pass set a later time to try again.
+    async fn drain_unless_backing_off(&mut self) {
+        if Instant::now() >= self.retry_at {
+            let _ = self.drain().await;
+        }
+    }
+
     /// Passes until nothing is pending; on failure, drops the connection and backs off.
     async fn drain(&mut self) -> Result<usize, RelayError> {
         let mut published = 0;

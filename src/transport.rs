@@ -218,16 +218,14 @@ pub async fn consume<H: DeliveryHandler>(
 /// Serves `pool` on the transport: its consumer type's commands of `kinds` run through
 /// the pool (and so its inbox, configured as `inbox`), each waiting up to `timeout`,
 /// replied to and acked after commit. With `batch` above 1, the messages the consumer
-/// holds at once are claimed in batches of up to `batch`: one batch at a time with a
-/// zero `linger` ([`GroupCommit`](crate::batching::GroupCommit)), else closed `linger`
-/// after their first command ([`Batching`](crate::batching::Batching)).
+/// holds are claimed in batches of up to `batch`, one batch at a time
+/// ([`GroupCommit`](crate::batching::GroupCommit)).
 pub async fn serve_step(
     transport: &Transport,
     pool: Arc<StepPool>,
     kinds: BTreeSet<String>,
     timeout: Duration,
     batch: usize,
-    linger: Duration,
     inbox: &InboxConfig,
 ) -> Result<ConsumerHandle, TransportError> {
     // A RabbitMQ queue's retention is checked against the inbox in its own config.
@@ -236,17 +234,11 @@ pub async fn serve_step(
     match transport {
         #[cfg(feature = "rabbitmq")]
         Transport::Amqp(config) => {
-            Ok(
-                amqp::serve_step_in_batches(config.clone(), pool, kinds, timeout, batch, linger)
-                    .await?,
-            )
+            Ok(amqp::serve_step_in_batches(config.clone(), pool, kinds, timeout, batch).await?)
         }
         #[cfg(feature = "nats")]
         Transport::Nats(config) => {
-            Ok(
-                nats::serve_step(config.clone(), pool, kinds, timeout, batch, linger, inbox)
-                    .await?,
-            )
+            Ok(nats::serve_step(config.clone(), pool, kinds, timeout, batch, inbox).await?)
         }
     }
 }

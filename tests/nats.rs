@@ -487,7 +487,6 @@ async fn the_orchestrator_reaches_a_step_through_jetstream_and_repeats_get_the_f
         ["charge".to_owned()],
         Duration::from_secs(5),
         1,
-        Duration::ZERO,
         guard.config(),
     )
     .await

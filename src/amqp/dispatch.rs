@@ -19,7 +19,7 @@ use std::time::Duration;
 use super::broker::{self, Publisher, Routing};
 use super::config::{AmqpConfig, AmqpError};
 use super::consumer::{Consumer, ConsumerOptions};
-use crate::batching::{Batching, GroupCommit};
+use crate::batching::GroupCommit;
 use crate::consumer::ConsumerHandle;
 use crate::envelope::{ConsumerType, Envelope};
 use crate::orchestrator::Dispatch;
@@ -56,40 +56,34 @@ pub(crate) async fn serve_step_in_batches(
     kinds: impl IntoIterator<Item = String>,
     timeout: Duration,
     batch: usize,
-    linger: Duration,
 ) -> Result<ConsumerHandle, AmqpError> {
     if batch > 1 {
-        serve_step_batched(config, pool, kinds, timeout, batch, linger).await
+        serve_step_batched(config, pool, kinds, timeout, batch).await
     } else {
         serve_step(config, pool, kinds, timeout).await
     }
 }
 
 /// [`serve_step`] with batched claims: the deliveries the consumer holds at once (set
-/// its prefetch to at least `max`) are gathered into batches of up to `max` and run
-/// with [`StepPool::deliver_batch`] — one transaction and one commit per batch. A zero
-/// `linger` runs one batch at a time ([`GroupCommit`]: a command arriving while none
-/// runs goes alone, at once); otherwise a batch closes `linger` after its first
-/// command ([`Batching`]). Each command still gets its own reply and ack; a batch that fails
-/// as a whole is run one by one, so a bad command fails alone.
+/// its prefetch to at least `max`) are claimed in batches of up to `max` with
+/// [`StepPool::deliver_batch`], one batch at a time ([`GroupCommit`]: the commands that
+/// arrive while a batch runs go in the next, one arriving while none runs goes alone, at
+/// once) — one transaction and one commit per batch. Each command still gets its own
+/// reply and ack; a batch that fails as a whole is run one by one, so a bad command
+/// fails alone.
 pub async fn serve_step_batched(
     config: AmqpConfig,
     pool: Arc<StepPool>,
     kinds: impl IntoIterator<Item = String>,
     timeout: Duration,
     max: usize,
-    linger: Duration,
 ) -> Result<ConsumerHandle, AmqpError> {
     let options = ConsumerOptions::new(pool.consumer_type().clone(), kinds);
-    let run = move |commands: Vec<Envelope>| {
+    let handler = GroupCommit::new(max, move |commands: Vec<Envelope>| {
         let pool = Arc::clone(&pool);
         async move { batch_dispositions(&pool, commands, timeout).await }
-    };
-    if linger.is_zero() {
-        Consumer::spawn(config, options, GroupCommit::new(max, run)).await
-    } else {
-        Consumer::spawn(config, options, Batching::new(max, linger, run)).await
-    }
+    });
+    Consumer::spawn(config, options, handler).await
 }
 
 /// Sends step commands through RabbitMQ and waits for their replies: the

@@ -29,7 +29,7 @@ use super::codec::{self, MESSAGE_ID_HEADER, REPLY_TO_HEADER};
 use super::config::{NatsConfig, NatsError};
 use super::consumer::{Consumer, ConsumerOptions};
 use super::jetstream;
-use crate::batching::{Batching, GroupCommit};
+use crate::batching::GroupCommit;
 use crate::consumer::ConsumerHandle;
 use crate::delivery::Disposition;
 use crate::envelope::{ConsumerType, Envelope};
@@ -45,33 +45,26 @@ use crate::step::{StepFailure, StepPool, StepReply};
 ///
 /// Each message awaits its answer, so the commands in flight are at most the prefetch
 /// (`max_ack_pending`); give a pool made with [`StepPool::spawn_bounded`] to cap the
-/// pool's own queue too. With `batch` above 1, the messages the consumer holds at once
-/// are gathered into batches of up to `batch` and claimed with
-/// [`StepPool::deliver_batch`]: one transaction per batch, each command still replied
-/// to and acked on its own. A zero `linger` runs one batch at a time
-/// ([`GroupCommit`]); otherwise a batch closes `linger` after its first message
-/// ([`Batching`]).
+/// pool's own queue too. With `batch` above 1, the messages the consumer holds are
+/// claimed in batches of up to `batch` with [`StepPool::deliver_batch`], one batch at a
+/// time ([`GroupCommit`]): one transaction per batch, each command still replied to and
+/// acked on its own.
 pub async fn serve_step(
     config: NatsConfig,
     pool: Arc<StepPool>,
     kinds: impl IntoIterator<Item = String>,
     timeout: Duration,
     batch: usize,
-    linger: Duration,
     inbox: &InboxConfig,
 ) -> Result<ConsumerHandle, NatsError> {
     let options =
         ConsumerOptions::new(pool.consumer_type().clone(), kinds).checked_against(inbox.clone());
     if batch > 1 {
-        let run = move |commands: Vec<Envelope>| {
+        let handler = GroupCommit::new(batch, move |commands: Vec<Envelope>| {
             let pool = Arc::clone(&pool);
             async move { batch_dispositions(&pool, commands, timeout).await }
-        };
-        return if linger.is_zero() {
-            Consumer::spawn(config, options, GroupCommit::new(batch, run)).await
-        } else {
-            Consumer::spawn(config, options, Batching::new(batch, linger, run)).await
-        };
+        });
+        return Consumer::spawn(config, options, handler).await;
     }
     Consumer::spawn(config, options, move |command: Envelope| {
         let pool = Arc::clone(&pool);

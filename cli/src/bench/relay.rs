@@ -24,7 +24,7 @@ use sagabox::transport::{Sender, Transport};
 use sagabox::{ConsumerType, Envelope, InboxConfig, InboxGuard, PostgresStore, Schema};
 use serde::Serialize;
 use sqlx::postgres::PgPoolOptions;
-use sqlx::{AssertSqlSafe, PgConnection, PgPool};
+use sqlx::{AssertSqlSafe, PgConnection};
 
 use super::BoxError;
 
@@ -162,12 +162,15 @@ pub(crate) async fn run(args: RelayBenchArgs) -> Result<RelayBenchReport, BoxErr
         poll_ms: RelayConfig::default().poll_interval.as_millis(),
         modes: modes
             .iter()
-            .map(|(mode, latencies)| RelayModeReport {
-                mode: mode.name(),
-                rows: latencies.len(),
-                p50_ms: ms(latencies, 0.5),
-                p99_ms: ms(latencies, 0.99),
-                p50_vs_floor: ms(latencies, 0.5) / floor,
+            .map(|(mode, latencies)| {
+                let p50_ms = ms(latencies, 0.5);
+                RelayModeReport {
+                    mode: mode.name(),
+                    rows: latencies.len(),
+                    p50_ms,
+                    p99_ms: ms(latencies, 0.99),
+                    p50_vs_floor: p50_ms / floor,
+                }
             })
             .collect(),
     })
@@ -223,8 +226,8 @@ async fn measure(
             }
         }
         if sender.is_none() {
-            until_sent(store.pool()).await?;
-            confirmed = sent_at(store.pool(), &committed).await?;
+            until_sent(store).await?;
+            confirmed = sent_at(store, &committed).await?;
         }
         Ok::<_, BoxError>(
             committed
@@ -273,13 +276,15 @@ async fn write_row(
 }
 
 /// Waits until the relay has sent every row (a minute without any sent is an error).
-async fn until_sent(pool: &PgPool) -> Result<(), BoxError> {
+async fn until_sent(store: &PostgresStore) -> Result<(), BoxError> {
     let mut last = (i64::MAX, std::time::Instant::now());
+    let count = store
+        .schema()
+        .sql("SELECT COUNT(*) FROM {schema}.sagabox_outbox WHERE sent_at IS NULL");
     loop {
-        let pending: i64 =
-            sqlx::query_scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")
-                .fetch_one(pool)
-                .await?;
+        let pending: i64 = sqlx::query_scalar(AssertSqlSafe(count.as_str()))
+            .fetch_one(store.pool())
+            .await?;
         if pending == 0 {
             return Ok(());
         }
@@ -294,15 +299,17 @@ async fn until_sent(pool: &PgPool) -> Result<(), BoxError> {
 
 /// The `sent_at` of each row of `committed`, in its order.
 async fn sent_at(
-    pool: &PgPool,
+    store: &PostgresStore,
     committed: &[(String, DateTime<Utc>)],
 ) -> Result<Vec<DateTime<Utc>>, BoxError> {
     let ids: Vec<&str> = committed.iter().map(|(id, _)| id.as_str()).collect();
     let rows: Vec<(String, DateTime<Utc>)> =
-        sqlx::query_as("SELECT id, sent_at FROM sagabox_outbox WHERE id = ANY($1)")
-            .bind(&ids)
-            .fetch_all(pool)
-            .await?;
+        sqlx::query_as(AssertSqlSafe(store.schema().sql(
+            "SELECT id, sent_at FROM {schema}.sagabox_outbox WHERE id = ANY($1)",
+        )))
+        .bind(&ids)
+        .fetch_all(store.pool())
+        .await?;
     let sent: std::collections::HashMap<String, DateTime<Utc>> = rows.into_iter().collect();
     committed
         .iter()
