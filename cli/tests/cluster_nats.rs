@@ -28,7 +28,9 @@ mod jetstream;
 mod nats_cluster;
 
 use std::fmt::Write as _;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use common::chaos::{FINISHED, count};
 
 use common::cluster_run::{self, ORDERS, ROLES, STALL_WINDOW};
 use jetstream::Js;
@@ -62,12 +64,11 @@ async fn a_three_node_jetstream_cluster_loses_two_nodes_in_turn_and_nothing_is_l
         &[],
     ));
 
-    // Each kill lands after a drawn number of finished sagas; the second well after the
-    // first node is back.
-    let first_at = rng.random_range(40..=120);
-    let second_at = first_at + rng.random_range(100..=160);
+    // Each kill lands after a drawn number of sagas finished: the first from the start,
+    // the second from when the first node is back.
     let mut stalls = Vec::new();
-    for (at, stream_of) in [(first_at, "payment"), (second_at, "inventory")] {
+    for stream_of in ["payment", "inventory"] {
+        let at = cluster_run::kill_point(&fx, &mut rng, ORDERS, &journal).await;
         cluster_run::wait_finished(&fx, at, &mut processes.0, &journal, &String::new).await;
         let stream = js.config.stream(&Js::consumer_type(stream_of));
         let (leader, replicas) = cluster.stream_leader(&stream).await;
@@ -88,7 +89,15 @@ async fn a_three_node_jetstream_cluster_loses_two_nodes_in_turn_and_nothing_is_l
         .unwrap();
         stalls.push(stalled);
         tokio::time::sleep(down_for.saturating_sub(stalled)).await;
+        let restarting = Instant::now();
         cluster.restart(&leader).await;
+        writeln!(
+            journal,
+            "  {leader} up again after {:?}, at {} sagas finished",
+            restarting.elapsed(),
+            count(&fx, FINISHED).await
+        )
+        .unwrap();
     }
 
     // The orchestrator ends when every saga has finished; its summary is its stdout.

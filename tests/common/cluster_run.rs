@@ -13,11 +13,31 @@ use super::chaos::{FINISHED, STALL, count};
 
 /// The participants' roles.
 pub const ROLES: [&str; 3] = ["payment", "inventory", "email"];
-/// Orders a run places unless it asks for more.
-pub const ORDERS: i64 = 400;
+/// Orders a run places unless it needs more: enough that the sagas finishing while a
+/// killed node is down and starts again leave room for the next kill (see
+/// [`kill_point`]).
+pub const ORDERS: i64 = 1000;
 /// How many sagas finishing after a kill its stall is measured over: more than run at
 /// once (the demo's concurrency, 32), so every saga in flight at the kill is among them.
 pub const STALL_WINDOW: i64 = 64;
+/// Sagas that still finish after a kill's stall window: the orchestrator (which ends
+/// with the last saga) must outlive the window, or the run could end inside it.
+const AFTER_WINDOW: i64 = 40;
+
+/// Where the next kill lands: once 40 to 240 more sagas (drawn) have finished than now,
+/// but no later than leaves [`STALL_WINDOW`] and a margin of `orders` to finish after
+/// it. A run too far gone for that (a node's restart outlasting most of it) fails with
+/// what to change.
+pub async fn kill_point(fx: &Pg, rng: &mut impl rand::Rng, orders: i64, journal: &str) -> i64 {
+    let finished = count(fx, FINISHED).await;
+    let latest = orders - STALL_WINDOW - AFTER_WINDOW;
+    assert!(
+        finished + 40 <= latest,
+        "{journal}{finished} of {orders} sagas had finished when the next kill was due: \
+         too few left to measure its stall; place more orders (ORDERS)"
+    );
+    finished + rand::RngExt::random_range(rng, 40..=240.min(latest - finished))
+}
 
 /// The run's seed (`CLUSTER_SEED`, or drawn) and the journal that starts with it.
 pub fn seed() -> (u64, String) {
