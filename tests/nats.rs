@@ -1,8 +1,8 @@
-//! The NATS JetStream transport against a real server and real PostgreSQL: a plain
-//! publisher's duplicates dropped by JetStream's window or absorbed by the inbox, bad
-//! input dead-lettered with its reason, acks only after commit, retries then
-//! dead-letters, the orchestrator's dispatch, the stream's retention checked against the
-//! inbox TTL, and a server restarted under a running consumer.
+//! What only the NATS JetStream transport has, against a real server and real PostgreSQL
+//! (what every broker does is `tests/broker.rs`): a plain publisher's repeats dropped by
+//! JetStream's duplicate window, dead letters kept in a stream, listed in place and
+//! replayed under their id, the stream's retention checked against the inbox TTL, and
+//! a server restarted or killed under a running consumer.
 
 #![allow(clippy::unwrap_used)]
 
@@ -19,7 +19,6 @@ mod common;
 #[allow(dead_code, unreachable_pub)]
 mod jetstream;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
 use std::time::Duration;
@@ -31,16 +30,11 @@ use jetstream::{Js, OwnServer};
 use sagabox::consumer::ConsumerHandle;
 use sagabox::delivery::{DEAD_REASON_HEADER, DeadReason, Disposition};
 use sagabox::dlq::{DeadLetters, DlqError, ReplayOptions};
-use sagabox::nats::{Consumer, ConsumerOptions, NatsDispatch, NatsError, codec, serve_step};
-use sagabox::orchestrator::Dispatch;
-use sagabox::outbox::OutboxWriter;
-use sagabox::relay::{Relay, RelayArguments, RelayConfig, RelayMessage};
+use sagabox::nats::{Consumer, ConsumerOptions, NatsError, codec};
 use sagabox::retention::RetentionError;
-use sagabox::step::{StepError, StepHandler, StepOutcome, StepPool, StepPoolConfig};
 use sagabox::transport::Transport;
 use sagabox::{ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId, PostgresStore};
 use serde_json::{Value, json};
-use sqlx::PgConnection;
 
 const EFFECTS: &str = "CREATE TABLE effects (message_id TEXT NOT NULL, body JSONB NOT NULL)";
 const DAY: Duration = Duration::from_secs(86_400);
@@ -78,89 +72,33 @@ fn guard(pg_store: PostgresStore) -> InboxGuard<PostgresStore> {
     InboxGuard::new(pg_store, InboxConfig::default()).unwrap()
 }
 
+/// A plain publisher's repeats under one `Nats-Msg-Id` are dropped by JetStream's
+/// duplicate window: stored once, applied once, never seen by the inbox. (Repeats past
+/// the window, under ids of their own, are the broker suite's: the inbox absorbs them.)
 #[tokio::test]
-async fn a_plain_publishers_duplicates_are_dropped_by_the_window_or_absorbed_by_the_inbox() {
+async fn a_plain_publishers_repeats_under_one_id_are_dropped_by_the_window() {
     let (pg, js) = (Pg::new().await, Js::new(&["payment"]).await);
     pg.exec(EFFECTS).await;
     let guard = guard(pg.store(4).await);
     js.declare("payment").await;
     let subject = js.subject("payment");
-    // The same message three times under one Nats-Msg-Id: JetStream stores it once.
-    let first = MessageId::new_v7();
+    let id = MessageId::new_v7();
     let mut dropped = 0;
     for _ in 0..3 {
-        let (body, headers) = message(&first, json!({"cents": 100}));
+        let (body, headers) = message(&id, json!({"cents": 100}));
         dropped += u32::from(js.publish_raw(&subject, headers, body).await);
     }
     assert_eq!(dropped, 2, "the duplicate window dropped the repeats");
-    // Another three times past the window (a fresh Nats-Msg-Id each, the real id in the
-    // sagabox header, as a publisher that restarted after the window would): stored
-    // three times, applied once.
-    let second = MessageId::new_v7();
-    for n in 0..3 {
-        let (body, mut headers) = message(&second, json!({"cents": 200}));
-        headers.insert(codec::MESSAGE_ID_HEADER, second.as_str());
-        headers.insert("Nats-Msg-Id", format!("{second}-{n}"));
-        assert!(!js.publish_raw(&subject, headers, body).await);
-    }
+    assert_eq!(js.pending("payment").await, 1, "stored once");
     let duplicates = Arc::new(AtomicU32::new(0));
     let consumer = guarded_consumer(&js, &guard, "payment", Arc::clone(&duplicates)).await;
     let stats = Arc::clone(consumer.stats());
-    common::wait_for("four acks", async || stats.acked.load(SeqCst) == 4).await;
+    common::wait_for("one ack", async || stats.acked.load(SeqCst) == 1).await;
     consumer.stop().await;
-    assert_eq!(pg.scalar("SELECT COUNT(*) FROM effects").await, 2);
-    assert_eq!(duplicates.load(SeqCst), 2);
-    assert_eq!(js.pending("payment").await, 0, "every message acked");
-    assert_eq!(js.dead("payment").await, 0);
-}
-
-#[tokio::test]
-async fn malformed_messages_are_dead_lettered_with_their_reason_and_consuming_goes_on() {
-    let (pg, js) = (Pg::new().await, Js::new(&["payment"]).await);
-    pg.exec(EFFECTS).await;
-    let guard = guard(pg.store(4).await);
-    js.declare("payment").await;
-    let subject = js.subject("payment");
-    let with_id = |id: &str| {
-        let mut headers = HeaderMap::new();
-        headers.insert("Nats-Msg-Id", id);
-        headers
-    };
-    js.publish_raw(
-        &subject,
-        HeaderMap::new(),
-        br#"{"kind":"charge","payload":{}}"#.to_vec(),
-    )
-    .await;
-    js.publish_raw(&subject, with_id("not-json"), b"{oops".to_vec())
-        .await;
-    js.publish_raw(
-        &subject,
-        with_id("refund-1"),
-        br#"{"kind":"refund","payload":{}}"#.to_vec(),
-    )
-    .await;
-    let (body, headers) = message(&MessageId::new_v7(), json!({"cents": 1}));
-    js.publish_raw(&subject, headers, body).await;
-    let consumer = guarded_consumer(&js, &guard, "payment", Arc::default()).await;
-    let stats = Arc::clone(consumer.stats());
-    common::wait_for("three dead letters and one ack", async || {
-        stats.dead_lettered.load(SeqCst) == 3 && stats.acked.load(SeqCst) == 1
-    })
-    .await;
-    consumer.stop().await;
-    let reasons: Vec<String> = js
-        .dead_headers("payment")
-        .await
-        .iter()
-        .map(|headers| codec::header(headers, DEAD_REASON_HEADER).unwrap())
-        .collect();
-    assert_eq!(
-        reasons,
-        ["missing_message_id", "not_an_envelope", "unknown_kind"]
-    );
     assert_eq!(pg.scalar("SELECT COUNT(*) FROM effects").await, 1);
-    assert_eq!(js.pending("payment").await, 0);
+    assert_eq!(duplicates.load(SeqCst), 0, "the inbox never saw a repeat");
+    assert_eq!(js.pending("payment").await, 0, "acked");
+    assert_eq!(js.dead("payment").await, 0);
 }
 
 /// A consumer that rejects every message while `reject` holds (dead-lettered as
@@ -334,210 +272,6 @@ async fn dead_letters_of_a_subject_without_streams_are_not_found() {
         .await
         .unwrap_err();
     assert!(matches!(error, DlqError::InvalidQueue { .. }), "{error}");
-}
-
-#[tokio::test]
-async fn a_consumer_dropped_between_commit_and_ack_gets_a_duplicate_and_one_side_effect() {
-    let (pg, js) = (Pg::new().await, Js::new(&["payment"]).await);
-    pg.exec(EFFECTS).await;
-    let guard = guard(pg.store(4).await);
-    js.declare("payment").await;
-    let (body, headers) = message(&MessageId::new_v7(), json!({}));
-    js.publish_raw(&js.subject("payment"), headers, body).await;
-
-    // The first consumer commits, then hangs before its ack until it is dropped.
-    let (committed, mut committed_rx) = tokio::sync::mpsc::unbounded_channel();
-    let crashing = {
-        let guard = guard.clone();
-        let payment = Js::consumer_type("payment");
-        Consumer::spawn(
-            js.config.clone(),
-            ConsumerOptions::new(payment.clone(), ["charge"]),
-            move |envelope: Envelope| {
-                let (guard, payment, committed) =
-                    (guard.clone(), payment.clone(), committed.clone());
-                async move {
-                    guard
-                        .process(&payment, &envelope, async |conn, envelope| {
-                            sqlx::query("INSERT INTO effects (message_id, body) VALUES ($1, $2)")
-                                .bind(envelope.id.as_str())
-                                .bind(&envelope.payload)
-                                .execute(&mut *conn)
-                                .await?;
-                            Ok::<_, sqlx::Error>(json!({}))
-                        })
-                        .await
-                        .unwrap();
-                    committed.send(()).unwrap();
-                    std::future::pending::<Disposition>().await
-                }
-            },
-        )
-        .await
-        .unwrap()
-    };
-    committed_rx.recv().await.unwrap();
-    assert_eq!(pg.scalar("SELECT COUNT(*) FROM effects").await, 1);
-    crashing.abort();
-
-    // Redelivered after ack_wait to the next consumer on the same durable consumer.
-    let duplicates = Arc::new(AtomicU32::new(0));
-    let consumer = guarded_consumer(&js, &guard, "payment", Arc::clone(&duplicates)).await;
-    let stats = Arc::clone(consumer.stats());
-    common::wait_for("the redelivery", async || stats.acked.load(SeqCst) == 1).await;
-    consumer.stop().await;
-    assert_eq!(duplicates.load(SeqCst), 1, "the redelivery was a duplicate");
-    assert_eq!(pg.scalar("SELECT COUNT(*) FROM effects").await, 1);
-    assert_eq!(js.pending("payment").await, 0);
-}
-
-#[tokio::test]
-async fn a_retryable_failure_is_redelivered_then_dead_lettered_when_it_keeps_failing() {
-    let js = Js::new(&["payment"]).await;
-    let mut config = js.config.clone();
-    config.max_deliver = 3;
-    let calls = Arc::new(AtomicU32::new(0));
-    let consumer = {
-        let calls = Arc::clone(&calls);
-        Consumer::spawn(
-            config,
-            ConsumerOptions::new(Js::consumer_type("payment"), ["charge"]),
-            move |envelope: Envelope| {
-                let calls = Arc::clone(&calls);
-                async move {
-                    let n = calls.fetch_add(1, SeqCst);
-                    match envelope.payload["flaky"].as_bool() {
-                        Some(true) if n == 0 => Disposition::Retry("database restarting".into()),
-                        Some(true) => Disposition::Done { reply: None },
-                        _ => Disposition::Retry("always down".into()),
-                    }
-                }
-            },
-        )
-        .await
-        .unwrap()
-    };
-    let (body, headers) = message(&MessageId::new_v7(), json!({"flaky": true}));
-    js.publish_raw(&js.subject("payment"), headers, body).await;
-    let stats = Arc::clone(consumer.stats());
-    common::wait_for(
-        "the flaky message redelivered once, then done",
-        async || stats.acked.load(SeqCst) == 1 && stats.requeued.load(SeqCst) == 1,
-    )
-    .await;
-    let (body, headers) = message(&MessageId::new_v7(), json!({"flaky": false}));
-    js.publish_raw(&js.subject("payment"), headers, body).await;
-    common::wait_for("the broken message dead-lettered", async || {
-        stats.dead_lettered.load(SeqCst) == 1
-    })
-    .await;
-    consumer.stop().await;
-    assert_eq!(
-        stats.requeued.load(SeqCst),
-        1 + 2,
-        "redelivered twice before the third failure"
-    );
-    let dead = js.dead_headers("payment").await;
-    assert_eq!(dead.len(), 1);
-    assert_eq!(
-        codec::header(&dead[0], DEAD_REASON_HEADER).as_deref(),
-        Some("retries_exhausted")
-    );
-    assert_eq!(js.pending("payment").await, 0);
-}
-
-struct Charges;
-
-impl StepHandler<sqlx::Postgres> for Charges {
-    async fn handle(
-        &self,
-        conn: &mut PgConnection,
-        envelope: &Envelope,
-    ) -> Result<Value, StepError> {
-        if envelope.payload["decline"].as_bool() == Some(true) {
-            return Err(StepError::Permanent("card declined".into()));
-        }
-        sqlx::query("INSERT INTO effects (message_id, body) VALUES ($1, $2)")
-            .bind(envelope.id.as_str())
-            .bind(&envelope.payload)
-            .execute(&mut *conn)
-            .await
-            .map_err(|error| StepError::Retryable(error.to_string()))?;
-        Ok(json!({"charged": envelope.payload["cents"]}))
-    }
-}
-
-#[tokio::test]
-async fn the_orchestrator_reaches_a_step_through_jetstream_and_repeats_get_the_first_answer() {
-    let (pg, js) = (Pg::new().await, Js::new(&["payment"]).await);
-    pg.exec(EFFECTS).await;
-    let guard = guard(pg.store(8).await);
-    let payment = Js::consumer_type("payment");
-    let pool = StepPool::spawn(
-        guard.clone(),
-        payment.clone(),
-        Charges,
-        StepPoolConfig::default(),
-    )
-    .await
-    .unwrap();
-    let step = serve_step(
-        js.config.clone(),
-        Arc::new(pool),
-        ["charge".to_owned()],
-        Duration::from_secs(5),
-        1,
-        guard.config(),
-    )
-    .await
-    .unwrap();
-    let dispatch = Arc::new(
-        NatsDispatch::connect(
-            js.config.clone(),
-            ConsumerType::new("orchestrator").unwrap(),
-        )
-        .await
-        .unwrap(),
-    );
-    let command = Envelope::new(MessageId::new_v7(), "charge", json!({"cents": 700})).unwrap();
-    // Sent five times at once, as retries after lost replies would be: JetStream drops
-    // the repeats as duplicates, the dispatch sends them past the window, and the step's
-    // inbox answers each with the first result.
-    let mut sends = tokio::task::JoinSet::new();
-    for _ in 0..5 {
-        let (dispatch, payment, command) =
-            (Arc::clone(&dispatch), payment.clone(), command.clone());
-        sends.spawn(async move {
-            dispatch
-                .dispatch(&payment, command, Duration::from_secs(10))
-                .await
-        });
-    }
-    while let Some(answer) = sends.join_next().await {
-        let reply = answer
-            .unwrap()
-            .unwrap_or_else(|failure| panic!("dispatch failed: {failure}"));
-        assert_eq!(reply.outcome, StepOutcome::Done(json!({"charged": 700})));
-    }
-    let declined = Envelope::new(MessageId::new_v7(), "charge", json!({"decline": true})).unwrap();
-    let reply = dispatch
-        .dispatch(&payment, declined.clone(), Duration::from_secs(10))
-        .await
-        .unwrap();
-    assert_eq!(reply.outcome, StepOutcome::Refused("card declined".into()));
-    let again = dispatch
-        .dispatch(&payment, declined, Duration::from_secs(10))
-        .await
-        .unwrap();
-    assert_eq!(again.outcome, StepOutcome::Refused("card declined".into()));
-    assert!(
-        again.duplicate,
-        "the second send was answered from the step's inbox"
-    );
-    dispatch.stop().await;
-    step.stop().await;
-    assert_eq!(pg.scalar("SELECT COUNT(*) FROM effects").await, 1);
-    assert_eq!(js.pending("payment").await, 0);
 }
 
 /// Creates `consumer_type`'s work stream by hand, with `max_age` (zero: none).
@@ -750,150 +484,5 @@ async fn restarted_under_a_consumer(crash: bool) {
         );
     } else {
         assert_eq!(applied, 100, "nothing lost");
-    }
-}
-
-/// Fails every UPDATE of the outbox while `fail_marks` has a row: a relay that
-/// published and then could not mark — what a crash between the two leaves.
-const FAIL_MARKS: &str = "
-CREATE TABLE fail_marks (armed BOOLEAN);
-INSERT INTO fail_marks VALUES (true);
-CREATE FUNCTION fail_mark() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-  IF EXISTS (SELECT 1 FROM fail_marks) THEN RAISE EXCEPTION 'relay crashed before marking'; END IF;
-  RETURN NEW;
-END $$;
-CREATE TRIGGER fail_mark BEFORE UPDATE ON sagabox_outbox FOR EACH ROW EXECUTE FUNCTION fail_mark();";
-
-async fn write_outbox(pg: &Pg, aggregates: usize, per_aggregate: usize) {
-    let payment = Js::consumer_type("payment");
-    let mut tx = pg.pool.begin().await.unwrap();
-    for n in 0..per_aggregate {
-        for a in 0..aggregates {
-            let out =
-                <PgConnection as OutboxWriter>::message("charge", json!({"aggregate": a, "n": n}))
-                    .unwrap();
-            (*tx)
-                .publish(&payment, &format!("order-{a}"), &out)
-                .await
-                .unwrap();
-        }
-    }
-    tx.commit().await.unwrap();
-}
-
-async fn spawn_relay(
-    source: sqlx::PgPool,
-    js: &Js,
-) -> (ractor::ActorRef<RelayMessage>, tokio::task::JoinHandle<()>) {
-    let arguments = RelayArguments {
-        source,
-        transport: js.config.clone().into(),
-        config: RelayConfig {
-            batch: 20,
-            poll_interval: Duration::from_millis(10),
-            ..RelayConfig::default()
-        },
-    };
-    let (relay, handle) = ractor::Actor::spawn(None, Relay::new(), arguments)
-        .await
-        .unwrap();
-    (relay, handle)
-}
-
-#[tokio::test]
-async fn rows_a_relay_published_before_failing_to_mark_go_again_and_the_window_drops_them() {
-    let (pg, js) = (Pg::new().await, Js::new(&["payment"]).await);
-    pg.exec(EFFECTS).await;
-    pg.exec(FAIL_MARKS).await;
-    write_outbox(&pg, 1, 5).await;
-    let guard = guard(pg.store(4).await);
-    let (relay, relay_handle) = spawn_relay(pg.pool.clone(), &js).await;
-    // Published, then the mark fails: the rows stay pending.
-    let flushed = ractor::call!(relay, RelayMessage::Flush).unwrap();
-    assert!(
-        flushed
-            .unwrap_err()
-            .contains("relay crashed before marking")
-    );
-    assert_eq!(js.pending("payment").await, 5);
-    pg.exec("DELETE FROM fail_marks").await;
-    common::wait_for("the rows marked sent", async || {
-        pg.scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")
-            .await
-            == 0
-    })
-    .await;
-    relay.stop(None);
-    relay_handle.await.unwrap();
-    // Published twice under the same Nats-Msg-Id: JetStream kept one copy of each.
-    assert_eq!(js.pending("payment").await, 5);
-    let duplicates = Arc::new(AtomicU32::new(0));
-    let consumer = guarded_consumer(&js, &guard, "payment", Arc::clone(&duplicates)).await;
-    let stats = Arc::clone(consumer.stats());
-    common::wait_for("five deliveries", async || stats.acked.load(SeqCst) == 5).await;
-    consumer.stop().await;
-    assert_eq!(
-        pg.scalar("SELECT COUNT(DISTINCT message_id) FROM effects")
-            .await,
-        5
-    );
-    assert_eq!(pg.scalar("SELECT COUNT(*) FROM effects").await, 5);
-    assert_eq!(js.pending("payment").await, 0);
-}
-
-#[tokio::test]
-async fn several_relays_publish_each_row_once_in_order_per_aggregate() {
-    const AGGREGATES: usize = 8;
-    const PER_AGGREGATE: usize = 40;
-    let (pg, js) = (Pg::new().await, Js::new(&["payment"]).await);
-    write_outbox(&pg, AGGREGATES, PER_AGGREGATE).await;
-    let mut relays = Vec::new();
-    for _ in 0..4 {
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(2)
-            .connect(&pg.url)
-            .await
-            .unwrap();
-        relays.push(spawn_relay(pool, &js).await);
-    }
-    common::wait_for("every row sent", async || {
-        pg.scalar("SELECT COUNT(*) FROM sagabox_outbox WHERE sent_at IS NULL")
-            .await
-            == 0
-    })
-    .await;
-    for (relay, handle) in relays {
-        relay.stop(None);
-        handle.await.unwrap();
-    }
-    let total = (AGGREGATES * PER_AGGREGATE) as u64;
-    assert_eq!(js.pending("payment").await, total, "each row stored once");
-    // The stream's order, read by sequence, is the order per aggregate.
-    let stream = js
-        .context
-        .get_stream(js.config.stream(&Js::consumer_type("payment")))
-        .await
-        .unwrap();
-    let mut seen: HashMap<u64, Vec<u64>> = HashMap::new();
-    for sequence in 1..=total {
-        let message = stream.get_raw_message(sequence).await.unwrap();
-        let envelope = codec::decode(
-            Some(&message.headers),
-            &message.payload,
-            &Default::default(),
-        )
-        .unwrap();
-        seen.entry(envelope.payload["aggregate"].as_u64().unwrap())
-            .or_default()
-            .push(envelope.payload["n"].as_u64().unwrap());
-    }
-    assert_eq!(seen.len(), AGGREGATES);
-    for (aggregate, ns) in seen {
-        let expected: Vec<u64> = (0..PER_AGGREGATE as u64).collect();
-        assert_eq!(
-            ns, expected,
-            "aggregate {aggregate} out of order or repeated"
-        );
     }
 }

@@ -11,6 +11,7 @@ pub mod children;
 pub mod cluster_run;
 pub mod effects;
 pub mod invariants;
+pub mod outbox;
 pub mod pg_pair;
 pub mod proxy;
 pub mod rabbit;
