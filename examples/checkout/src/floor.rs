@@ -153,27 +153,7 @@ async fn saga(pool: &PgPool, sql: &FloorSql, order: Order) -> Result<bool, sqlx:
     let number = |name: &str| order.data[name].as_i64().unwrap_or_default();
     let (order_id, sku) = (text("order_id"), text("sku"));
     let (quantity, amount) = (number("quantity"), number("amount_cents"));
-
-    let mut tx = pool.begin().await?;
-    sqlx::query(
-        "INSERT INTO demo_orders (id, saga_id, sku, quantity, amount_cents) \
-         VALUES ($1, $2, $3, $4, $5)",
-    )
-    .bind(&order_id)
-    .bind(&saga_id)
-    .bind(&sku)
-    .bind(quantity)
-    .bind(amount)
-    .execute(&mut *tx)
-    .await?;
-    sqlx::query(AssertSqlSafe(sql.insert_saga.as_str()))
-        .bind(&saga_id)
-        .bind(FLOOR_SAGA)
-        .bind(sqlx::types::Json(&order.data))
-        .bind(Utc::now())
-        .execute(&mut *tx)
-        .await?;
-    tx.commit().await?;
+    place(pool, sql, &saga_id, &order, (&sku, quantity, amount)).await?;
 
     let step = |consumer: &'static str, kind: &'static str| Step {
         sql,
@@ -237,24 +217,7 @@ async fn saga(pool: &PgPool, sql: &FloorSql, order: Order) -> Result<bool, sqlx:
     if !taken {
         save(pool, sql, &saga_id, "compensating", 0).await?;
         step("payment", "refund")
-            .run(pool, async |conn| {
-                let charged: i64 = sqlx::query_scalar(
-                    "SELECT CAST(COALESCE(SUM(amount_cents), 0) AS BIGINT) FROM payment_charges \
-                     WHERE order_id = $1 AND kind = 'charge'",
-                )
-                .bind(&order_id)
-                .fetch_one(&mut *conn)
-                .await?;
-                sqlx::query(
-                    "INSERT INTO payment_charges (order_id, amount_cents, kind) \
-                     VALUES ($1, $2, 'refund')",
-                )
-                .bind(&order_id)
-                .bind(charged)
-                .execute(&mut *conn)
-                .await?;
-                Ok(true)
-            })
+            .run(pool, async |conn| refund(conn, &order_id).await)
             .await?;
         save(pool, sql, &saga_id, "compensated", -1).await?;
         return Ok(false);
@@ -271,6 +234,57 @@ async fn saga(pool: &PgPool, sql: &FloorSql, order: Order) -> Result<bool, sqlx:
         })
         .await?;
     save(pool, sql, &saga_id, "completed", 3).await?;
+    Ok(true)
+}
+
+/// Starts a saga: the order (`sku`, quantity, amount) and its saga row, in one
+/// transaction.
+async fn place(
+    pool: &PgPool,
+    sql: &FloorSql,
+    saga_id: &str,
+    order: &Order,
+    (sku, quantity, amount): (&str, i64, i64),
+) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "INSERT INTO demo_orders (id, saga_id, sku, quantity, amount_cents) \
+         VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(order.data["order_id"].as_str().unwrap_or_default())
+    .bind(saga_id)
+    .bind(sku)
+    .bind(quantity)
+    .bind(amount)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(AssertSqlSafe(sql.insert_saga.as_str()))
+        .bind(saga_id)
+        .bind(FLOOR_SAGA)
+        .bind(sqlx::types::Json(&order.data))
+        .bind(Utc::now())
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await
+}
+
+/// The payment's compensation: refunds what `order_id` was charged.
+async fn refund(conn: &mut PgConnection, order_id: &str) -> Result<bool, sqlx::Error> {
+    let charged: i64 = sqlx::query_scalar(
+        "SELECT CAST(COALESCE(SUM(amount_cents), 0) AS BIGINT) FROM payment_charges \
+         WHERE order_id = $1 AND kind = 'charge'",
+    )
+    .bind(order_id)
+    .fetch_one(&mut *conn)
+    .await?;
+    sqlx::query(
+        "INSERT INTO payment_charges (order_id, amount_cents, kind) \
+         VALUES ($1, $2, 'refund')",
+    )
+    .bind(order_id)
+    .bind(charged)
+    .execute(&mut *conn)
+    .await?;
     Ok(true)
 }
 
