@@ -34,7 +34,7 @@ mod dispatch;
 mod dlq;
 mod management;
 
-pub use broker::{Publisher, Routing, connect, declare};
+pub(crate) use broker::{Publisher, Routing, connect, declare, delete_queue};
 pub use config::{AmqpConfig, AmqpError, QueueType};
 pub use consumer::{Consumer, ConsumerOptions};
 pub(crate) use dispatch::serve_step_in_batches;

@@ -30,7 +30,5 @@ pub use config::{NatsConfig, NatsError};
 pub use consumer::{Consumer, ConsumerOptions};
 pub use dispatch::{NatsDispatch, serve_step};
 pub use dlq::DeadLetterStream;
-pub use jetstream::{
-    RETENTION_SETTING, connect, declare, durable_consumer, measured_retention, prefixed_streams,
-    publish,
-};
+pub use jetstream::{RETENTION_SETTING, measured_retention, prefixed_streams};
+pub(crate) use jetstream::{connect, declare, delete_stream, publish};

@@ -30,6 +30,7 @@ use sagabox::outbox::OutboxWriter;
 use sagabox::relay::{Relay, RelayArguments, RelayConfig};
 use sagabox::retention::RetentionError;
 use sagabox::step::StepFailure;
+use sagabox::transport::{Sender, TransportError};
 use sagabox::{ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId, PostgresStore};
 use serde_json::{Value, json};
 use sqlx::PgConnection;
@@ -628,7 +629,7 @@ async fn a_broker_that_never_answers_is_a_connect_timeout_not_a_hang() {
     let started = std::time::Instant::now();
     let outcome = tokio::time::timeout(
         Duration::from_secs(30),
-        sagabox::amqp::connect(&config, "silent"),
+        Sender::connect(&config.into(), "silent"),
     )
     .await
     .expect("connect must give up on its own");
@@ -636,7 +637,10 @@ async fn a_broker_that_never_answers_is_a_connect_timeout_not_a_hang() {
         panic!("a silent peer cannot complete the AMQP handshake");
     };
     assert!(
-        matches!(error, sagabox::amqp::AmqpError::ConnectTimeout { .. }),
+        matches!(
+            error,
+            TransportError::Amqp(AmqpError::ConnectTimeout { .. })
+        ),
         "{error}"
     );
     assert!(
@@ -961,11 +965,11 @@ async fn a_url_list_connects_to_the_node_that_answers_wherever_it_stands() {
     listed.validate().unwrap();
     // Whichever node of the list a connection starts at, it ends on the live one.
     for turn in 0..3 {
-        let connection = sagabox::amqp::connect(&listed, "listed")
+        let sender = Sender::connect(&listed.clone().into(), "listed")
             .await
             .unwrap_or_else(|error| panic!("connection {turn}: {error}"));
-        assert!(connection.status().connected());
-        connection.close(200, "done".into()).await.unwrap();
+        assert!(sender.is_connected());
+        sender.close().await;
     }
     let guard = InboxGuard::new(pg.store(4).await, InboxConfig::default()).unwrap();
     let consumer = guarded_consumer(
@@ -989,9 +993,12 @@ async fn a_url_list_connects_to_the_node_that_answers_wherever_it_stands() {
 
     let mut all_dead = rabbit.config.clone();
     all_dead.url = format!("{dead_a},{dead_b}");
-    let error = sagabox::amqp::connect(&all_dead, "dead").await.unwrap_err();
+    let error = Sender::connect(&all_dead.into(), "dead").await.unwrap_err();
     assert!(
-        matches!(error, AmqpError::NoNodeAnswered { nodes: 2, .. }),
+        matches!(
+            error,
+            TransportError::Amqp(AmqpError::NoNodeAnswered { nodes: 2, .. })
+        ),
         "{error}"
     );
     let text = error.to_string();

@@ -32,11 +32,14 @@ use std::time::Duration;
 use common::Pg;
 use common::rabbit::Rabbit;
 use common::tls::{broker_connections, file, nats_connections, tls_dir};
+use rustls::pki_types::CertificateDer;
+use rustls::pki_types::pem::PemObject;
 use sagabox::amqp::{AmqpConfig, AmqpError};
 use sagabox::database::ConnectError;
 use sagabox::delivery::Disposition;
 use sagabox::nats::{NatsConfig, NatsError};
 use sagabox::tls::TlsError;
+use sagabox::transport::{Sender, TransportError};
 use sagabox::{ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId, PostgresStore};
 use serde_json::json;
 use sqlx::Row;
@@ -372,13 +375,20 @@ async fn bad_amqps_input_is_refused_with_what_to_fix_and_never_hangs() {
         let mut config = rabbit.config.clone();
         config.url = url;
         config.validate()?;
-        tokio::time::timeout(
+        let connected = tokio::time::timeout(
             Duration::from_secs(15),
-            sagabox::amqp::connect(&config, "tls-test"),
+            Sender::connect(&config.into(), "tls-test"),
         )
         .await
-        .expect("an answer, not a hang")
-        .map(drop)
+        .expect("an answer, not a hang");
+        match connected {
+            Ok(sender) => {
+                sender.close().await;
+                Ok(())
+            }
+            Err(TransportError::Amqp(error)) => Err(error),
+            Err(other) => panic!("not a RabbitMQ error: {other}"),
+        }
     };
     let error = connect(amqps_url(
         5671,
@@ -480,7 +490,23 @@ async fn a_nats_consumer_over_tls_is_tls_on_the_servers_side() {
     )
     .await
     .unwrap();
-    let client = sagabox::nats::connect(&config, "tls-test-publisher")
+    // A plain client, trusting the test CA, as a producer outside sagabox connects.
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(file("ca.pem")).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let client = async_nats::ConnectOptions::new()
+        .name(format!("{prefix}/tls-test-publisher"))
+        .tls_client_config(tls)
+        .require_tls(true)
+        .connect(format!("tls://localhost:{}", server.port))
         .await
         .unwrap();
     let context = async_nats::jetstream::new(client);
@@ -521,13 +547,20 @@ async fn nats_refuses_a_wrong_ca_and_an_expired_certificate_with_what_to_fix() {
     let connect = async |url: String| {
         let config = NatsConfig::new(url);
         config.validate()?;
-        tokio::time::timeout(
+        let connected = tokio::time::timeout(
             Duration::from_secs(20),
-            sagabox::nats::connect(&config, "tls-test"),
+            Sender::connect(&config.into(), "tls-test"),
         )
         .await
-        .expect("an answer, not a hang")
-        .map(drop)
+        .expect("an answer, not a hang");
+        match connected {
+            Ok(sender) => {
+                sender.close().await;
+                Ok(())
+            }
+            Err(TransportError::Nats(error)) => Err(error),
+            Err(other) => panic!("not a NATS error: {other}"),
+        }
     };
     let error: NatsError = connect(format!(
         "tls://localhost:{}?cacertfile={}",

@@ -49,7 +49,7 @@ use rand::rngs::StdRng;
 use sagabox::Schema;
 use sagabox::database::Backend;
 use sagabox::logging::redact;
-use sagabox::transport::Transport;
+use sagabox::transport::{Sender, Transport};
 use sagabox::{
     ConsumerType, Envelope, InboxConfig, InboxGuard, MAX_BATCH, MessageId, PostgresStore,
     SqliteStore,
@@ -299,46 +299,19 @@ where
 /// the broker at `url` declared under `prefix` for `consumers`; `role` names its
 /// connection. What cannot be removed is left (a scratch name, harmless).
 pub(crate) async fn remove_queues(url: &str, prefix: &str, consumers: &[&str], role: &str) {
-    let Ok(config) = Transport::from_url(url, prefix) else {
+    let Ok(transport) = Transport::from_url(url, prefix) else {
         return;
     };
-    let consumers: Vec<ConsumerType> = consumers
+    let Ok(mut sender) = Sender::connect(&transport, role).await else {
+        return;
+    };
+    for consumer in consumers
         .iter()
         .filter_map(|name| ConsumerType::new(*name).ok())
-        .collect();
-    match config {
-        Transport::Amqp(config) => {
-            let Ok(connection) = sagabox::amqp::connect(&config, role).await else {
-                return;
-            };
-            for consumer in &consumers {
-                for queue in [config.queue(consumer), config.dead_queue(consumer)] {
-                    // A channel each: a refused delete closes its channel.
-                    if let Ok(channel) = connection.create_channel().await {
-                        let _ = channel
-                            .queue_delete(queue.as_str().into(), Default::default())
-                            .await;
-                        let _ = channel.close(200, "deleted".into()).await;
-                    }
-                }
-            }
-            let _ = connection.close(200, "bench done".into()).await;
-        }
-        Transport::Nats(config) => {
-            let Ok(client) = sagabox::nats::connect(&config, role).await else {
-                return;
-            };
-            let jetstream = async_nats::jetstream::new(client.clone());
-            for consumer in &consumers {
-                for stream in [config.stream(consumer), config.dead_stream(consumer)] {
-                    let _ = jetstream.delete_stream(&stream).await;
-                }
-            }
-            let _ = client.flush().await;
-        }
-        // A broker this build does not know declared nothing.
-        _ => {}
+    {
+        let _ = sender.remove(&consumer).await;
     }
+    sender.close().await;
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> u64 {

@@ -362,14 +362,19 @@ async fn serve_declares_its_queue_with_the_delivery_limit_it_was_given() {
     let declare = async |max_redeliveries: u32| {
         let mut config = rabbit.config.clone();
         config.max_redeliveries = max_redeliveries;
-        sagabox::amqp::declare(&rabbit.connection, &config, &payment).await
+        common::rabbit::declare(&config, &payment).await
     };
     declare(common::rabbit::MAX_DELIVERIES)
         .await
         .expect("the same limit as serve's");
     let refused = declare(5).await.unwrap_err();
     assert!(
-        matches!(refused, sagabox::amqp::AmqpError::QueueMismatch { .. }),
+        matches!(
+            refused,
+            sagabox::transport::TransportError::Amqp(
+                sagabox::amqp::AmqpError::QueueMismatch { .. }
+            )
+        ),
         "{refused}"
     );
     drop(serve);

@@ -23,7 +23,7 @@ static NEXT_NODE: AtomicUsize = AtomicUsize::new(0);
 /// connection list (`rabbitmqctl list_connections user_provided_name`). For a cluster's
 /// URL list, the nodes are tried in turn from the one after the last connection's start,
 /// until one accepts ([`AmqpError::NoNodeAnswered`] when none does).
-pub async fn connect(config: &AmqpConfig, role: &str) -> Result<Connection, AmqpError> {
+pub(crate) async fn connect(config: &AmqpConfig, role: &str) -> Result<Connection, AmqpError> {
     let nodes = config.nodes();
     if let [node] = nodes.as_slice() {
         return connect_node(node, role).await;
@@ -139,7 +139,7 @@ async fn probe(config: &AmqpConfig) -> Result<(), AmqpError> {
 /// exists (declared by an older sagabox) is kept as it is, letters and all.
 ///
 /// A queue that exists with other arguments is [`AmqpError::QueueMismatch`], with the fix.
-pub async fn declare(
+pub(crate) async fn declare(
     connection: &Connection,
     config: &AmqpConfig,
     consumer_type: &ConsumerType,
@@ -211,6 +211,18 @@ async fn declare_dead(
         )
         .await
         .map_err(failed)?;
+    close(channel).await;
+    Ok(())
+}
+
+/// Deletes `queue` with whatever it holds, on a channel of its own (a refusal closes its
+/// channel); a queue that does not exist is no error (RabbitMQ answers its delete).
+pub(crate) async fn delete_queue(connection: &Connection, queue: &str) -> Result<(), AmqpError> {
+    let channel = declaring_channel(connection).await?;
+    channel
+        .queue_delete(queue.into(), lapin::options::QueueDeleteOptions::default())
+        .await
+        .map_err(AmqpError::broker("delete the queue"))?;
     close(channel).await;
     Ok(())
 }
@@ -323,7 +335,7 @@ fn precondition_failed(error: &lapin::Error) -> Option<String> {
 
 /// Whether a publish must reach a queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Routing {
+pub(crate) enum Routing {
     /// The queue must exist: an unroutable message is returned and reported as
     /// [`AmqpError::NotConfirmed`] (commands, outbox rows, dead letters).
     Required,
@@ -336,13 +348,13 @@ pub enum Routing {
 /// A channel in confirm mode: [`Publisher::publish`] returns once the broker has taken
 /// the message (persisted, for a durable queue).
 #[derive(Debug, Clone)]
-pub struct Publisher {
+pub(crate) struct Publisher {
     channel: Channel,
 }
 
 impl Publisher {
     /// A new confirm-mode channel on `connection`.
-    pub async fn open(connection: &Connection) -> Result<Self, AmqpError> {
+    pub(crate) async fn open(connection: &Connection) -> Result<Self, AmqpError> {
         let channel = connection
             .create_channel()
             .await
@@ -355,7 +367,7 @@ impl Publisher {
     }
 
     /// The channel, for declaring queues.
-    pub fn channel(&self) -> &Channel {
+    pub(crate) fn channel(&self) -> &Channel {
         &self.channel
     }
 
@@ -363,7 +375,7 @@ impl Publisher {
     /// broker's confirm. `reply_to` and `correlation_id` are set when given. With
     /// `Routing::Required` a message no queue takes is an error
     /// ([`AmqpError::NotConfirmed`]), not a silent drop.
-    pub async fn publish(
+    pub(crate) async fn publish(
         &self,
         queue: &str,
         envelope: &Envelope,
@@ -385,7 +397,7 @@ impl Publisher {
     }
 
     /// Publishes `body` with `properties` to `queue` and waits for the confirm.
-    pub async fn publish_raw(
+    pub(crate) async fn publish_raw(
         &self,
         queue: &str,
         body: &[u8],

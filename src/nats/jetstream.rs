@@ -22,7 +22,7 @@ pub const RETENTION_SETTING: &str = "the stream's max_age";
 /// Opens a client to the server in `config`, named `<prefix>/<role>` in the server's
 /// connection list (`nats server report connections`). It reconnects by itself after a
 /// lost connection, without limit.
-pub async fn connect(config: &NatsConfig, role: &str) -> Result<Client, NatsError> {
+pub(crate) async fn connect(config: &NatsConfig, role: &str) -> Result<Client, NatsError> {
     let server = config.server();
     let tls = config.load_tls()?.client_config(&server)?;
     let url = config.client_url();
@@ -75,7 +75,7 @@ pub(crate) fn check_consumer_type(consumer_type: &ConsumerType) -> Result<(), Na
 /// Creates `consumer_type`'s work stream (work queue, `max_age` = the configured
 /// retention) and dead-letter stream (kept until taken), unless they exist; returns the
 /// work stream. An existing stream keeps its settings.
-pub async fn declare(
+pub(crate) async fn declare(
     jetstream: &Context,
     config: &NatsConfig,
     consumer_type: &ConsumerType,
@@ -108,11 +108,26 @@ pub async fn declare(
         .map_err(NatsError::broker("create the stream"))
 }
 
+/// Deletes stream `name` with whatever it holds; a stream that does not exist is no
+/// error.
+pub(crate) async fn delete_stream(jetstream: &Context, name: &str) -> Result<(), NatsError> {
+    match jetstream.delete_stream(name).await {
+        Ok(_) => Ok(()),
+        Err(error)
+            if matches!(error.kind(), js::context::DeleteStreamErrorKind::JetStream(ref failure)
+                if failure.error_code() == js::ErrorCode::STREAM_NOT_FOUND) =>
+        {
+            Ok(())
+        }
+        Err(error) => Err(NatsError::broker("delete the stream")(error)),
+    }
+}
+
 /// The durable pull consumer every process serving `consumer_type` shares: explicit
 /// acks, `ack_wait` and `max_ack_pending` from `config`. Redeliveries are not limited
 /// by the server: the consumer dead-letters a message past `max_deliver` itself, so
 /// none is left stranded in the stream.
-pub async fn durable_consumer(
+pub(super) async fn durable_consumer(
     stream: &Stream,
     config: &NatsConfig,
     consumer_type: &ConsumerType,
@@ -150,7 +165,7 @@ pub async fn measured_retention(stream: &mut Stream) -> Result<Retention, NatsEr
 /// Publishes `body` with `headers` to `subject` and waits for JetStream to store it.
 /// `true` when the server dropped it as a duplicate of a message published with the same
 /// `Nats-Msg-Id` within the duplicate window.
-pub async fn publish(
+pub(crate) async fn publish(
     jetstream: &Context,
     subject: &str,
     headers: HeaderMap,

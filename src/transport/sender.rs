@@ -220,8 +220,10 @@ impl Sender {
         }
     }
 
-    /// Declares `destination` once per connection.
-    async fn declare(&mut self, destination: &ConsumerType) -> Result<(), TransportError> {
+    /// Creates `destination`'s queue or stream and its dead letters' as its consumers
+    /// would, with the transport's settings; once per connection (a send declares its
+    /// destination itself). For a producer that fills a queue before any consumer runs.
+    pub async fn declare(&mut self, destination: &ConsumerType) -> Result<(), TransportError> {
         if self.declared.contains(destination.as_str()) {
             return Ok(());
         }
@@ -240,6 +242,38 @@ impl Sender {
             }
         }
         self.declared.insert(destination.as_str().to_owned());
+        Ok(())
+    }
+
+    /// Deletes `consumer_type`'s queue or stream and its dead letters', with whatever
+    /// they hold; what does not exist is skipped. For scratch consumer types (a bench's,
+    /// a test's): a live consumer type loses its messages.
+    pub async fn remove(&mut self, consumer_type: &ConsumerType) -> Result<(), TransportError> {
+        self.declared.remove(consumer_type.as_str());
+        match &self.link {
+            #[cfg(feature = "rabbitmq")]
+            Link::Amqp {
+                config, connection, ..
+            } => {
+                for queue in [
+                    config.queue(consumer_type),
+                    config.dead_queue(consumer_type),
+                ] {
+                    amqp::delete_queue(connection, &queue).await?;
+                }
+            }
+            #[cfg(feature = "nats")]
+            Link::Nats {
+                config, context, ..
+            } => {
+                for stream in [
+                    config.stream(consumer_type),
+                    config.dead_stream(consumer_type),
+                ] {
+                    nats::delete_stream(context, &stream).await?;
+                }
+            }
+        }
         Ok(())
     }
 

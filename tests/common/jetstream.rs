@@ -84,13 +84,15 @@ impl Js {
 
     /// Creates `consumer_type`'s streams as the library does.
     pub async fn declare(&self, consumer_type: &str) {
-        sagabox::nats::declare(
-            &self.context,
-            &self.config,
-            &Self::consumer_type(consumer_type),
-        )
-        .await
-        .expect("declare");
+        let transport = self.config.clone().into();
+        let mut sender = sagabox::transport::Sender::connect(&transport, "declare")
+            .await
+            .expect("connect");
+        sender
+            .declare(&Self::consumer_type(consumer_type))
+            .await
+            .expect("declare");
+        sender.close().await;
     }
 
     /// Publishes `body` with `headers` as a plain JetStream client would; `true` when the

@@ -13,6 +13,7 @@ use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use sagabox::ConsumerType;
 use sagabox::amqp::AmqpConfig;
+use sagabox::transport::{Sender, TransportError};
 
 /// The default broker for tests.
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -29,6 +30,18 @@ pub const MAX_DELIVERIES: u32 = 20;
 /// The broker URL tests use.
 pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned())
+}
+
+/// Declares `consumer_type`'s queues as `config` says, as a producer does (through a
+/// [`Sender`] of its own).
+pub async fn declare(
+    config: &AmqpConfig,
+    consumer_type: &ConsumerType,
+) -> Result<(), TransportError> {
+    let mut sender = Sender::connect(&config.clone().into(), "declare").await?;
+    let declared = sender.declare(consumer_type).await;
+    sender.close().await;
+    declared
 }
 
 /// A unique queue prefix on the test broker, and a plain AMQP client on it.
@@ -97,13 +110,7 @@ impl Rabbit {
 
     /// Declares `consumer_type`'s queues as the library does.
     pub async fn declare(&self, consumer_type: &str) {
-        sagabox::amqp::declare(
-            &self.connection,
-            &self.config,
-            &ConsumerType::new(consumer_type).expect("consumer type"),
-        )
-        .await
-        .expect("declare");
+        self.declare_with(&self.config, consumer_type).await;
     }
 
     /// The arguments the broker holds for `queue`, as `rabbitmqctl list_queues` prints
@@ -130,8 +137,7 @@ impl Rabbit {
     /// Declares `consumer_type`'s queues as `config` says (its type and TTL).
     #[allow(dead_code)]
     pub async fn declare_with(&self, config: &AmqpConfig, consumer_type: &str) {
-        sagabox::amqp::declare(
-            &self.connection,
+        declare(
             config,
             &ConsumerType::new(consumer_type).expect("consumer type"),
         )

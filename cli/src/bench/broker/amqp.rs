@@ -5,12 +5,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures_lite::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeleteOptions};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions,
+};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
-use sagabox::amqp::{AmqpConfig, Consumer, ConsumerOptions, Publisher, Routing};
+use sagabox::amqp::{AmqpConfig, Consumer, ConsumerOptions, codec};
 use sagabox::consumer::ConsumerHandle;
-use sagabox::transport::Transport;
+use sagabox::transport::{Sender, Transport};
 use sagabox::{ConsumerType, InboxConfig, PostgresStore};
 use sqlx::PgPool;
 use tokio::sync::Semaphore;
@@ -22,23 +25,35 @@ use super::{
 };
 use crate::bench::BoxError;
 
-/// The three modes' queues, and the publisher that fills them.
+/// The three modes' queues, and the plain `lapin` channel (in confirm mode) that fills
+/// them as a producer outside sagabox would.
 struct Queues {
-    publisher: Publisher,
+    channel: lapin::Channel,
     names: Vec<String>,
 }
 
 impl Publish for Queues {
     async fn publish(&self, mode: usize, message: &Message, paced: bool) -> Result<(), BoxError> {
-        self.publisher
-            .publish(
-                &self.names[mode],
-                &envelope(message, paced)?,
-                None,
-                None,
-                Routing::Required,
+        let (body, properties) = codec::encode(&envelope(message, paced)?);
+        let confirm = self
+            .channel
+            .basic_publish(
+                "".into(),
+                self.names[mode].as_str().into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                &body,
+                properties,
             )
+            .await?
             .await?;
+        if !confirm.is_ack() || confirm.take_message().is_some() {
+            return Err(
+                format!("RabbitMQ did not store a message for {}", self.names[mode]).into(),
+            );
+        }
         Ok(())
     }
 }
@@ -55,17 +70,24 @@ pub(super) async fn drains(
         .with_inbox(&InboxConfig::default());
     config.prefetch = args.prefetch;
     config.validate()?;
-    let broker = sagabox::amqp::connect(&config, "bench").await?;
+    let transport = Transport::Amqp(config.clone());
+    let consumer_types = MODES
+        .iter()
+        .map(|(_, name)| ConsumerType::new(*name))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut sender = Sender::connect(&transport, "bench").await?;
+    let filling = Connection::connect(&args.broker_url, ConnectionProperties::default()).await?;
+    let channel = filling.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
     let queues = Queues {
-        publisher: Publisher::open(&broker).await?,
-        names: MODES
-            .iter()
-            .map(|(_, name)| Ok::<_, BoxError>(config.queue(&ConsumerType::new(*name)?)))
-            .collect::<Result<_, _>>()?,
+        channel,
+        names: consumer_types.iter().map(|ct| config.queue(ct)).collect(),
     };
     let outcome = async {
-        for (_, name) in MODES {
-            sagabox::amqp::declare(&broker, &config, &ConsumerType::new(name)?).await?;
+        for consumer_type in &consumer_types {
+            sender.declare(consumer_type).await?;
         }
         let (handwritten, hand) = measure(
             &queues,
@@ -86,21 +108,16 @@ pub(super) async fn drains(
         .await?;
         direct.0.stop().await;
 
-        let transport = Transport::Amqp(config.clone());
-        let sagabox = participant_drain(&queues, transport, store, workload, args.workers).await?;
+        let sagabox =
+            participant_drain(&queues, transport.clone(), store, workload, args.workers).await?;
         Ok::<_, BoxError>([hand, consumer, sagabox])
     }
     .await;
-    for queue in &queues.names {
-        for name in [queue.clone(), format!("{queue}.dead")] {
-            let _ = queues
-                .publisher
-                .channel()
-                .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
-                .await;
-        }
+    for consumer_type in &consumer_types {
+        let _ = sender.remove(consumer_type).await;
     }
-    let _ = broker.close(200, "bench done".into()).await;
+    sender.close().await;
+    let _ = filling.close(200, "bench done".into()).await;
     outcome
 }
 

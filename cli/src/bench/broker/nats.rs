@@ -7,12 +7,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::Context;
-use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
 use futures_lite::StreamExt;
 use sagabox::consumer::ConsumerHandle;
 use sagabox::nats::codec::{self, MESSAGE_ID_HEADER};
 use sagabox::nats::{Consumer, ConsumerOptions, NatsConfig};
-use sagabox::transport::Transport;
+use sagabox::transport::{Sender, Transport};
 use sagabox::{ConsumerType, InboxConfig, PostgresStore};
 use sqlx::PgPool;
 use tokio::sync::Semaphore;
@@ -37,7 +37,10 @@ impl Publish for Subjects {
         // window would drop the workload's repeats before any consumer saw them.
         let mut headers = HeaderMap::new();
         headers.insert(MESSAGE_ID_HEADER, message.0.as_str());
-        sagabox::nats::publish(&self.jetstream, &self.names[mode], headers, body).await?;
+        self.jetstream
+            .publish_with_headers(self.names[mode].clone(), headers, body.into())
+            .await?
+            .await?;
         Ok(())
     }
 }
@@ -54,7 +57,9 @@ pub(super) async fn drains(
         .with_retention(InboxConfig::default().broker_retention);
     config.prefetch = args.prefetch;
     config.validate()?;
-    let client = sagabox::nats::connect(&config, "bench").await?;
+    let transport = Transport::Nats(config.clone());
+    let mut sender = Sender::connect(&transport, "bench").await?;
+    let client = async_nats::connect(args.broker_url.as_str()).await?;
     let jetstream = async_nats::jetstream::new(client.clone());
     let consumer_types = MODES
         .iter()
@@ -65,14 +70,28 @@ pub(super) async fn drains(
         names: consumer_types.iter().map(|ct| config.subject(ct)).collect(),
     };
     let outcome = async {
-        let mut streams = Vec::new();
         for consumer_type in &consumer_types {
-            streams.push(sagabox::nats::declare(&jetstream, &config, consumer_type).await?);
+            sender.declare(consumer_type).await?;
         }
-        // The same durable pull consumer sagabox's would create: only the code that
-        // reads from it is hand-written.
-        let pull =
-            sagabox::nats::durable_consumer(&streams[0], &config, &consumer_types[0]).await?;
+        // The durable pull consumer sagabox's would create, with the same settings: only
+        // the code that reads from it is hand-written.
+        let name = config.stream(&consumer_types[0]);
+        let pull = jetstream
+            .get_stream(&name)
+            .await?
+            .get_or_create_consumer(
+                &name,
+                pull::Config {
+                    durable_name: Some(name.clone()),
+                    deliver_policy: DeliverPolicy::All,
+                    ack_policy: AckPolicy::Explicit,
+                    ack_wait: config.ack_wait,
+                    max_deliver: -1,
+                    max_ack_pending: i64::from(config.prefetch),
+                    ..Default::default()
+                },
+            )
+            .await?;
         let (handwritten, hand) = measure(
             &subjects,
             0,
@@ -92,20 +111,15 @@ pub(super) async fn drains(
         .await?;
         direct.0.stop().await;
 
-        let transport = Transport::Nats(config.clone());
         let sagabox =
-            participant_drain(&subjects, transport, store, workload, args.workers).await?;
+            participant_drain(&subjects, transport.clone(), store, workload, args.workers).await?;
         Ok::<_, BoxError>([hand, consumer, sagabox])
     }
     .await;
     for consumer_type in &consumer_types {
-        for stream in [
-            config.stream(consumer_type),
-            config.dead_stream(consumer_type),
-        ] {
-            let _ = jetstream.delete_stream(&stream).await;
-        }
+        let _ = sender.remove(consumer_type).await;
     }
+    sender.close().await;
     let _ = client.flush().await;
     outcome
 }
