@@ -261,24 +261,15 @@ trait BrokerDispatch: std::fmt::Debug + Send + Sync {
 
 type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-#[cfg(feature = "rabbitmq")]
-impl BrokerDispatch for AmqpDispatch {
-    fn dispatch_boxed<'a>(
-        &'a self,
-        consumer_type: &'a ConsumerType,
-        envelope: crate::envelope::Envelope,
-        timeout: Duration,
-    ) -> BoxFuture<'a, Result<StepReply, StepFailure>> {
-        Box::pin(self.dispatch(consumer_type, envelope, timeout))
-    }
-
-    fn stop_boxed(&self) -> BoxFuture<'_, ()> {
-        Box::pin(self.stop())
-    }
+/// What a broker's dispatch brings besides its [`Dispatch`]: how it stops (no more
+/// replies taken, its connections closed). With it, the dispatch is a
+/// [`BrokerDispatch`].
+pub(crate) trait StopDispatch {
+    /// Stops taking replies and closes the connections.
+    fn stop_dispatch(&self) -> impl Future<Output = ()> + Send;
 }
 
-#[cfg(feature = "nats")]
-impl BrokerDispatch for NatsDispatch {
+impl<D: Dispatch + StopDispatch + std::fmt::Debug> BrokerDispatch for D {
     fn dispatch_boxed<'a>(
         &'a self,
         consumer_type: &'a ConsumerType,
@@ -289,7 +280,7 @@ impl BrokerDispatch for NatsDispatch {
     }
 
     fn stop_boxed(&self) -> BoxFuture<'_, ()> {
-        Box::pin(self.stop())
+        Box::pin(self.stop_dispatch())
     }
 }
 
