@@ -24,6 +24,7 @@
 //! process's own CPU time per backlog message is reported beside (Linux `/proc`).
 
 mod amqp;
+mod handwritten;
 mod nats;
 
 use std::sync::Arc;

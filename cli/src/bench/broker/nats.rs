@@ -2,25 +2,19 @@
 //! sagabox's [`Consumer`] with the guard, and the participant runtime, each on its own
 //! work-queue stream.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use async_nats::HeaderMap;
-use async_nats::jetstream::Context;
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
-use futures_lite::StreamExt;
-use sagabox::consumer::ConsumerHandle;
+use async_nats::jetstream::{self, Context};
 use sagabox::nats::codec::{self, MESSAGE_ID_HEADER};
 use sagabox::nats::{Consumer, ConsumerOptions, NatsConfig};
 use sagabox::transport::{Sender, Transport};
 use sagabox::{ConsumerType, InboxConfig, PostgresStore};
 use sqlx::PgPool;
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
 
+use super::handwritten::{Direct, HandDelivery, Handwritten};
 use super::{
-    BrokerBenchArgs, Drain, Guarded, MODES, Message, Publish, RAW_CLAIM, Running, Workload,
-    business, envelope, fields, measure, participant_drain,
+    BrokerBenchArgs, Drain, Guarded, MODES, Message, Publish, Workload, envelope, measure,
+    participant_drain,
 };
 use crate::bench::BoxError;
 
@@ -96,10 +90,10 @@ pub(super) async fn drains(
             &subjects,
             0,
             workload,
-            Handwritten::start(args, pool.clone(), pull),
+            handwritten(args, pool.clone(), pull),
         )
         .await?;
-        handwritten.task.abort();
+        handwritten.stop();
 
         let guarded = Guarded::new(store.clone(), args.workers)?;
         let options = ConsumerOptions::new(guarded.consumer_type.clone(), ["deposit"]);
@@ -124,97 +118,32 @@ pub(super) async fn drains(
     outcome
 }
 
-/// The hand-written consumer: its pulling task and the count of its acks.
-struct Handwritten {
-    acked: Arc<AtomicU64>,
-    task: tokio::task::JoinHandle<Result<(), BoxError>>,
+/// Starts the hand-written consumer on `pull`, `--prefetch` messages a batch.
+async fn handwritten(
+    args: &BrokerBenchArgs,
+    pool: PgPool,
+    pull: PullConsumer,
+) -> Result<Handwritten, BoxError> {
+    let messages = pull
+        .stream()
+        .max_messages_per_batch(usize::from(args.prefetch))
+        .messages()
+        .await?;
+    Ok(Handwritten::spawn(messages, pool, args.workers))
 }
 
-impl Running for Handwritten {
-    fn acked(&self) -> u64 {
-        self.acked.load(Ordering::Relaxed)
+impl HandDelivery for jetstream::Message {
+    fn id(&self) -> Option<String> {
+        self.headers
+            .as_ref()
+            .and_then(|headers| codec::header(headers, MESSAGE_ID_HEADER))
     }
 
-    async fn failure(&mut self) -> Option<BoxError> {
-        if !self.task.is_finished() {
-            return None;
-        }
-        Some(match (&mut self.task).await {
-            Ok(Ok(())) => "its messages ended".into(),
-            Ok(Err(error)) => error,
-            Err(panicked) => panicked.into(),
-        })
-    }
-}
-
-impl Handwritten {
-    async fn start(
-        args: &BrokerBenchArgs,
-        pool: PgPool,
-        pull: PullConsumer,
-    ) -> Result<Self, BoxError> {
-        let mut messages = pull
-            .stream()
-            .max_messages_per_batch(usize::from(args.prefetch))
-            .messages()
-            .await?;
-        let acked = Arc::new(AtomicU64::new(0));
-        let workers = Arc::new(Semaphore::new(args.workers));
-        let task = tokio::spawn({
-            let acked = acked.clone();
-            async move {
-                let mut running = JoinSet::new();
-                while let Some(message) = messages.next().await {
-                    let message = message?;
-                    let permit = workers.clone().acquire_owned().await?;
-                    let (pool, acked) = (pool.clone(), acked.clone());
-                    running.spawn(async move {
-                        let id = message
-                            .headers
-                            .as_ref()
-                            .and_then(|headers| codec::header(headers, MESSAGE_ID_HEADER))
-                            .ok_or("a message without its id header")?;
-                        let body: serde_json::Value = serde_json::from_slice(&message.payload)?;
-                        let fields = fields(&body["payload"]).ok_or("payload lacks its fields")?;
-                        let mut tx = pool.begin().await?;
-                        let fresh = sqlx::query(RAW_CLAIM)
-                            .bind(id.as_str())
-                            .execute(&mut *tx)
-                            .await?
-                            .rows_affected()
-                            == 1;
-                        if fresh {
-                            business(&mut tx, MODES[0].0, &id, &fields).await?;
-                        }
-                        tx.commit().await?;
-                        message.ack().await?;
-                        acked.fetch_add(1, Ordering::Relaxed);
-                        drop(permit);
-                        Ok::<_, BoxError>(())
-                    });
-                    while let Some(done) = running.try_join_next() {
-                        done??;
-                    }
-                }
-                while let Some(done) = running.join_next().await {
-                    done??;
-                }
-                Ok(())
-            }
-        });
-        Ok(Self { acked, task })
-    }
-}
-
-/// The `consumer` mode: sagabox's JetStream consumer calling the guard itself.
-struct Direct(ConsumerHandle);
-
-impl Running for Direct {
-    fn acked(&self) -> u64 {
-        self.0.stats().acked.load(Ordering::Relaxed)
+    fn body(&self) -> &[u8] {
+        &self.payload
     }
 
-    async fn failure(&mut self) -> Option<BoxError> {
-        self.0.is_finished().then(|| "the consumer ended".into())
+    async fn ack(self) -> Result<(), BoxError> {
+        jetstream::Message::ack(&self).await
     }
 }
