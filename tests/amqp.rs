@@ -49,17 +49,10 @@ async fn guarded_consumer(
 ) -> ConsumerHandle {
     let consumer_type = ConsumerType::new(consumer_type).unwrap();
     let options = ConsumerOptions::new(consumer_type.clone(), kinds.iter().copied());
-    let guard = guard.clone();
-    Consumer::spawn(config.clone(), options, move |envelope: Envelope| {
-        let (guard, consumer_type, duplicates) = (
-            guard.clone(),
-            consumer_type.clone(),
-            Arc::clone(&duplicates),
-        );
-        async move { effects::apply(&guard, &consumer_type, &envelope, &duplicates).await }
-    })
-    .await
-    .unwrap()
+    let handler = effects::guarded(guard, &consumer_type, duplicates);
+    Consumer::spawn(config.clone(), options, handler)
+        .await
+        .unwrap()
 }
 
 fn message(id: &str, kind: &str, payload: Value) -> (Vec<u8>, BasicProperties) {
@@ -654,29 +647,16 @@ async fn a_broker_that_never_answers_is_a_connect_timeout_not_a_hang() {
     silent_peer.abort();
 }
 
-/// A consumer that always fails retryably, on `config`'s `payment` queue.
-async fn always_retrying(
+/// A consumer of `consumer_type` on `config` running [`effects::flaky`].
+async fn flaky_consumer(
     config: sagabox::amqp::AmqpConfig,
     consumer_type: &str,
     calls: Arc<AtomicU32>,
 ) -> ConsumerHandle {
-    Consumer::spawn(
-        config,
-        ConsumerOptions::new(ConsumerType::new(consumer_type).unwrap(), ["charge"]),
-        move |envelope: Envelope| {
-            let calls = Arc::clone(&calls);
-            async move {
-                let n = calls.fetch_add(1, SeqCst);
-                match envelope.payload["flaky"].as_bool() {
-                    Some(true) if n == 0 => Disposition::Retry("database restarting".into()),
-                    Some(true) => Disposition::Done { reply: None },
-                    _ => Disposition::Retry("always down".into()),
-                }
-            }
-        },
-    )
-    .await
-    .unwrap()
+    let options = ConsumerOptions::new(ConsumerType::new(consumer_type).unwrap(), ["charge"]);
+    Consumer::spawn(config, options, effects::flaky(calls))
+        .await
+        .unwrap()
 }
 
 /// On a quorum queue a retry is a nack: the broker counts the deliveries and, at the
@@ -696,7 +676,7 @@ async fn on_a_quorum_queue_the_broker_counts_retries_and_dead_letters_at_its_del
     );
     config.max_redeliveries = 3;
     let calls = Arc::new(AtomicU32::new(0));
-    let consumer = always_retrying(config.clone(), "exhausting", Arc::clone(&calls)).await;
+    let consumer = flaky_consumer(config.clone(), "exhausting", Arc::clone(&calls)).await;
     let stats = Arc::clone(consumer.stats());
 
     let (body, properties) = message("flaky-1", "charge", json!({"flaky": true}));
@@ -773,7 +753,7 @@ async fn on_a_classic_queue_the_consumer_counts_retries_and_dead_letters_at_the_
     config.queue_type = QueueType::Classic;
     config.max_redeliveries = 3;
     let calls = Arc::new(AtomicU32::new(0));
-    let consumer = always_retrying(config, "payment", Arc::clone(&calls)).await;
+    let consumer = flaky_consumer(config, "payment", Arc::clone(&calls)).await;
     let stats = Arc::clone(consumer.stats());
     let (body, properties) = message("flaky-1", "charge", json!({"flaky": true}));
     rabbit
@@ -818,7 +798,7 @@ async fn an_existing_queue_of_another_type_is_refused_with_the_fix() {
     let mut classic = rabbit.config.clone();
     classic.queue_type = QueueType::Classic;
     let calls = Arc::new(AtomicU32::new(0));
-    always_retrying(classic, "payment", Arc::clone(&calls))
+    flaky_consumer(classic, "payment", Arc::clone(&calls))
         .await
         .stop()
         .await;

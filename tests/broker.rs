@@ -5,8 +5,9 @@
 //! again is applied once, bad input is dead-lettered with its reason while consuming
 //! goes on, an ack lost after commit brings a duplicate and no second side effect, a
 //! failure is retried and then dead-lettered, a panicking handler is a retry, the
-//! orchestrator's repeats get the first answer, and the relay publishes every row at
-//! least once, in order per aggregate, across several relays.
+//! orchestrator's repeats get the first answer, the relay publishes every row at
+//! least once, in order per aggregate, across several relays, and a producer's
+//! `Sender` declares and removes a consumer type's queues.
 //!
 //! What only one broker has stays in its own suite: `tests/amqp.rs` (queue types and
 //! arguments, the management API, refused replies, node lists) and `tests/nats.rs` (the
@@ -43,7 +44,7 @@ use sagabox::delivery::{DeliveryHandler, Disposition};
 use sagabox::orchestrator::Dispatch;
 use sagabox::relay::{Relay, RelayArguments, RelayMessage};
 use sagabox::step::{StepError, StepHandler, StepOutcome, StepPool, StepPoolConfig};
-use sagabox::transport::{self, Dispatcher, Transport};
+use sagabox::transport::{self, Dispatcher, Sender, Transport};
 use sagabox::{ConsumerType, Envelope, InboxConfig, InboxGuard, MessageId, PostgresStore};
 use serde_json::{Value, json};
 use sqlx::PgConnection;
@@ -75,6 +76,7 @@ on_both_brokers!(
     the_orchestrator_reaches_a_step_through_the_broker_and_repeats_get_the_first_answer,
     rows_a_relay_published_before_failing_to_mark_go_again_and_apply_once,
     several_relays_publish_each_row_once_in_order_per_aggregate,
+    a_sender_declares_and_removes_a_consumer_types_queues_with_their_dead_letters,
 );
 
 const EFFECTS: &str = "CREATE TABLE effects (message_id TEXT NOT NULL, body JSONB NOT NULL)";
@@ -116,21 +118,14 @@ async fn guarded_consumer(
     kinds_taken: &[&str],
     duplicates: Arc<AtomicU32>,
 ) -> ConsumerHandle {
-    let typed = Broker::consumer_type(consumer_type);
-    let handler_guard = guard.clone();
+    let handler = effects::guarded(guard, &Broker::consumer_type(consumer_type), duplicates);
+    let inbox = Some(guard.config());
     consume(
         &broker.transport(),
         consumer_type,
         kinds_taken,
-        Some(guard.config()),
-        move |envelope: Envelope| {
-            let (guard, consumer_type, duplicates) = (
-                handler_guard.clone(),
-                typed.clone(),
-                Arc::clone(&duplicates),
-            );
-            async move { effects::apply(&guard, &consumer_type, &envelope, &duplicates).await }
-        },
+        inbox,
+        handler,
     )
     .await
 }
@@ -272,29 +267,6 @@ async fn a_consumer_dropped_between_commit_and_ack_gets_a_duplicate_and_one_side
     assert_eq!(broker.pending("payment").await, 0);
 }
 
-/// A consumer that fails the first call retryably and then succeeds for a message with
-/// `"flaky": true`, and always fails retryably for any other; counts its calls.
-async fn flaky_consumer(transport: &Transport, calls: Arc<AtomicU32>) -> ConsumerHandle {
-    consume(
-        transport,
-        "payment",
-        &["charge"],
-        None,
-        move |envelope: Envelope| {
-            let calls = Arc::clone(&calls);
-            async move {
-                let n = calls.fetch_add(1, SeqCst);
-                match envelope.payload["flaky"].as_bool() {
-                    Some(true) if n == 0 => Disposition::Retry("database restarting".into()),
-                    Some(true) => Disposition::Done { reply: None },
-                    _ => Disposition::Retry("always down".into()),
-                }
-            }
-        },
-    )
-    .await
-}
-
 /// Three deliveries at most: a message failing once is delivered again and settles; one
 /// that keeps failing is dead-lettered as `retries_exhausted` after its third delivery
 /// (by the consumer on JetStream, by the broker at a quorum queue's delivery limit).
@@ -304,7 +276,8 @@ async fn a_retryable_failure_is_delivered_again_then_dead_lettered_when_it_keeps
     let broker = Broker::new(kind, &["payment"]).await;
     let calls = Arc::new(AtomicU32::new(0));
     let transport = broker.transport().with_max_deliveries(3);
-    let consumer = flaky_consumer(&transport, Arc::clone(&calls)).await;
+    let flaky = effects::flaky(Arc::clone(&calls));
+    let consumer = consume(&transport, "payment", &["charge"], None, flaky).await;
     broker
         .publish("payment", &charge(json!({"flaky": true})))
         .await;
@@ -591,4 +564,29 @@ async fn several_relays_publish_each_row_once_in_order_per_aggregate(kind: Kind)
             );
         }
     }
+}
+
+/// A producer's sender creates a consumer type's queue or stream, and its dead letters',
+/// before any consumer runs; removing deletes both with what they hold, removing them
+/// again is no error, and a send after a removal declares them anew.
+async fn a_sender_declares_and_removes_a_consumer_types_queues_with_their_dead_letters(kind: Kind) {
+    let broker = Broker::new(kind, &["scratch"]).await;
+    let scratch = Broker::consumer_type("scratch");
+    let mut sender = Sender::connect(&broker.transport(), "declaring")
+        .await
+        .unwrap();
+    assert_eq!(broker.exists("scratch").await, (false, false));
+    sender.declare(&scratch).await.unwrap();
+    assert_eq!(broker.exists("scratch").await, (true, true));
+    sender.send(&scratch, &charge(json!({}))).await.unwrap();
+    broker.wait_pending("scratch", 1).await;
+
+    sender.remove(&scratch).await.unwrap();
+    assert_eq!(broker.exists("scratch").await, (false, false));
+    sender.remove(&scratch).await.unwrap();
+
+    sender.send(&scratch, &charge(json!({}))).await.unwrap();
+    assert_eq!(broker.exists("scratch").await, (true, true));
+    broker.wait_pending("scratch", 1).await;
+    sender.close().await;
 }

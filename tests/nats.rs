@@ -51,17 +51,10 @@ async fn guarded_consumer(
     let consumer_type = ConsumerType::new(consumer_type).unwrap();
     let options = ConsumerOptions::new(consumer_type.clone(), ["charge"])
         .checked_against(guard.config().clone());
-    let guard = guard.clone();
-    Consumer::spawn(js.config.clone(), options, move |envelope: Envelope| {
-        let (guard, consumer_type, duplicates) = (
-            guard.clone(),
-            consumer_type.clone(),
-            Arc::clone(&duplicates),
-        );
-        async move { effects::apply(&guard, &consumer_type, &envelope, &duplicates).await }
-    })
-    .await
-    .unwrap()
+    let handler = effects::guarded(guard, &consumer_type, duplicates);
+    Consumer::spawn(js.config.clone(), options, handler)
+        .await
+        .unwrap()
 }
 
 fn message(id: &MessageId, payload: Value) -> (Vec<u8>, HeaderMap) {

@@ -23,7 +23,6 @@ mod rabbit_cluster;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use common::chaos::{FINISHED, count};
 use common::cluster_run::{self, ROLES, STALL_WINDOW};
 use rabbit_cluster::RabbitCluster;
 use rand::rngs::StdRng;
@@ -137,13 +136,7 @@ async fn a_three_node_rabbitmq_cluster_loses_two_nodes_in_turn_and_nothing_is_lo
         tokio::time::sleep(down_for.saturating_sub(stalled)).await;
         let restarting = Instant::now();
         cluster.restart(&leader).await;
-        writeln!(
-            journal,
-            "  {leader} up again after {:?}, at {} sagas finished",
-            restarting.elapsed(),
-            count(&fx, FINISHED).await
-        )
-        .unwrap();
+        cluster_run::journal_restart(&fx, &mut journal, &leader, restarting).await;
     }
 
     // The orchestrator ends when every saga has finished; its summary is its stdout.

@@ -30,8 +30,6 @@ mod nats_cluster;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use common::chaos::{FINISHED, count};
-
 use common::cluster_run::{self, ORDERS, ROLES, STALL_WINDOW};
 use jetstream::Js;
 use nats_cluster::NatsCluster;
@@ -91,13 +89,7 @@ async fn a_three_node_jetstream_cluster_loses_two_nodes_in_turn_and_nothing_is_l
         tokio::time::sleep(down_for.saturating_sub(stalled)).await;
         let restarting = Instant::now();
         cluster.restart(&leader).await;
-        writeln!(
-            journal,
-            "  {leader} up again after {:?}, at {} sagas finished",
-            restarting.elapsed(),
-            count(&fx, FINISHED).await
-        )
-        .unwrap();
+        cluster_run::journal_restart(&fx, &mut journal, &leader, restarting).await;
     }
 
     // The orchestrator ends when every saga has finished; its summary is its stdout.

@@ -152,26 +152,15 @@ impl Broker {
                         .expect("an envelope")
                 })
                 .collect(),
-            Broker::Nats(js) => {
-                let stream = js
-                    .context
-                    .get_stream(js.config.stream(&Js::consumer_type(consumer_type)))
-                    .await
-                    .expect("the work stream");
-                let mut envelopes = Vec::new();
-                let mut sequence = 1;
-                while let Ok(message) = stream.get_raw_message(sequence).await {
-                    let envelope = sagabox::nats::codec::decode(
-                        Some(&message.headers),
-                        &message.payload,
-                        &any,
-                    )
-                    .expect("an envelope");
-                    envelopes.push(envelope);
-                    sequence += 1;
-                }
-                envelopes
-            }
+            Broker::Nats(js) => js
+                .stored(&js.config.stream(&Js::consumer_type(consumer_type)))
+                .await
+                .iter()
+                .map(|message| {
+                    sagabox::nats::codec::decode(Some(&message.headers), &message.payload, &any)
+                        .expect("an envelope")
+                })
+                .collect(),
         }
     }
 
@@ -202,6 +191,27 @@ impl Broker {
                 u64::from(rabbit.ready(&rabbit.dead_queue(consumer_type)).await)
             }
             Broker::Nats(js) => js.dead(consumer_type).await,
+        }
+    }
+
+    /// Whether `consumer_type`'s work queue or stream, and its dead letters', exist.
+    pub async fn exists(&self, consumer_type: &str) -> (bool, bool) {
+        let typed = Self::consumer_type(consumer_type);
+        match self {
+            Broker::Amqp(rabbit) => (
+                rabbit.exists(&rabbit.config.queue(&typed)).await,
+                rabbit.exists(&rabbit.config.dead_queue(&typed)).await,
+            ),
+            Broker::Nats(js) => (
+                js.context
+                    .get_stream(js.config.stream(&typed))
+                    .await
+                    .is_ok(),
+                js.context
+                    .get_stream(js.config.dead_stream(&typed))
+                    .await
+                    .is_ok(),
+            ),
         }
     }
 

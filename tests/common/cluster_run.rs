@@ -136,6 +136,16 @@ pub fn orchestrator(
 /// The orchestrator's log: its reconnections, and when each consumer subscribes again.
 const ORCHESTRATOR_LOG: &str = "error,sagabox::amqp=info,sagabox::nats=warn,sagabox::consumer=warn";
 
+/// Notes in the journal how long node `node` took to start again (since `restarting`)
+/// and how many sagas had finished by then.
+pub async fn journal_restart(fx: &Pg, journal: &mut String, node: &str, restarting: Instant) {
+    let took = restarting.elapsed();
+    let finished = count(fx, FINISHED).await;
+    journal.push_str(&format!(
+        "  {node} up again after {took:?}, at {finished} sagas finished\n"
+    ));
+}
+
 /// Panics with its stderr when a process the run needs has exited.
 pub fn check_alive(processes: &mut [Child], journal: &str) {
     for child in processes.iter_mut() {

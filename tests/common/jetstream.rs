@@ -243,15 +243,21 @@ impl Js {
 
     /// The dead letters of `consumer_type`: each one's headers.
     pub async fn dead_headers(&self, consumer_type: &str) -> Vec<HeaderMap> {
-        let stream = self
-            .context
-            .get_stream(self.config.dead_stream(&Self::consumer_type(consumer_type)))
+        let dead = self.config.dead_stream(&Self::consumer_type(consumer_type));
+        self.stored(&dead)
             .await
-            .expect("dead stream");
+            .into_iter()
+            .map(|message| message.headers)
+            .collect()
+    }
+
+    /// Every message `stream` holds, by sequence, left in place.
+    pub async fn stored(&self, stream: &str) -> Vec<jetstream::message::StreamMessage> {
+        let stream = self.context.get_stream(stream).await.expect("the stream");
         let mut all = Vec::new();
         let mut sequence = 1;
         while let Ok(message) = stream.get_raw_message(sequence).await {
-            all.push(message.headers);
+            all.push(message);
             sequence += 1;
         }
         all

@@ -290,6 +290,23 @@ impl Rabbit {
         declared.message_count()
     }
 
+    /// Whether `queue` exists (asked on a channel of its own: a refused passive declare
+    /// closes its channel).
+    pub async fn exists(&self, queue: &str) -> bool {
+        let channel = self.connection.create_channel().await.expect("channel");
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let declared = channel
+            .queue_declare(queue.into(), passive, FieldTable::default())
+            .await;
+        if declared.is_ok() {
+            let _ = channel.close(200, "asked".into()).await;
+        }
+        declared.is_ok()
+    }
+
     /// Takes every message ready in `queue` (acknowledged).
     pub async fn drain(&self, queue: &str) -> Vec<lapin::message::BasicGetMessage> {
         let mut taken = Vec::new();
