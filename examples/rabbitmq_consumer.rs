@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use lapin::BasicProperties;
 use lapin::options::{BasicGetOptions, QueueDeleteOptions};
 use sagabox::amqp::{AmqpConfig, codec};
-use sagabox::delivery::DEAD_REASON_HEADER;
+use sagabox::dead_reason::DEAD_REASON_HEADER;
 use sagabox::outbox::OutboxWriter;
 use sagabox::participant::StepOptions;
 use sagabox::relay::RelayConfig;

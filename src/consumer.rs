@@ -47,7 +47,7 @@ use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::Instrument;
 
-use crate::delivery::DeadReason;
+use crate::dead_reason::DeadReason;
 use crate::delivery::{ConsumerStats, DeliveryHandler, Disposition};
 use crate::envelope::{ConsumerType, Envelope, MessageId};
 use crate::health::ConsumerReadiness;

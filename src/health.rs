@@ -168,7 +168,7 @@ impl Health {
                 store
                     .ping()
                     .await
-                    .map_err(|error| crate::database::describe(&error))
+                    .map_err(|error| crate::connection::describe(&error))
             }
         })
     }

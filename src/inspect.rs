@@ -28,11 +28,11 @@ use std::time::Duration;
 use chrono::{DateTime, TimeDelta, Utc};
 use serde::Serialize;
 
+use crate::database::{OnStore, Store};
 use crate::inbox::{ConfigError, InboxConfig, InboxError};
 use crate::logging::redact;
 use crate::month::Month;
 use crate::schema::Schema;
-use crate::store::{OnStore, Store};
 
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -62,12 +62,12 @@ pub enum InspectError {
     Config(#[from] ConfigError),
     /// The database could not be opened or reached (boxed: it is the largest variant).
     #[error(transparent)]
-    Connect(Box<crate::database::ConnectError>),
+    Connect(Box<crate::connection::ConnectError>),
     /// The database could not be opened for another reason (boxed: it is large).
     #[error(transparent)]
     Open(Box<InboxError>),
     /// The database refused a query.
-    #[error("database error while inspecting {url}: {}", crate::database::describe(.source))]
+    #[error("database error while inspecting {url}: {}", crate::connection::describe(.source))]
     Database {
         /// The database, password redacted.
         url: String,
@@ -77,8 +77,8 @@ pub enum InspectError {
     },
 }
 
-impl From<crate::database::ConnectError> for InspectError {
-    fn from(error: crate::database::ConnectError) -> Self {
+impl From<crate::connection::ConnectError> for InspectError {
+    fn from(error: crate::connection::ConnectError) -> Self {
         InspectError::Connect(Box::new(error))
     }
 }

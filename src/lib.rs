@@ -75,6 +75,8 @@
 //! - [`delivery`]: [`DeliveryHandler`](delivery::DeliveryHandler) and
 //!   [`Disposition`](delivery::Disposition) — what every transport's consumer hands a
 //!   message to, and how the answer settles it.
+//! - [`dead_reason`]: [`DeadReason`](dead_reason::DeadReason) — why a message was
+//!   dead-lettered, the codes its headers and the metric carry, on any broker.
 //! - `reply` (with a transport): a step's reply with its stable id, on any transport.
 //! - [`wire`]: the envelope's JSON body and the reasons a body is refused, on any broker.
 //! - [`retention`]: the broker's real retention, read from the broker, checked against the
@@ -138,9 +140,11 @@ mod backoff;
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub mod batching;
 pub mod clock;
+mod connection;
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub mod consumer;
 pub mod database;
+pub mod dead_reason;
 pub mod delivery;
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub mod dlq;
@@ -190,6 +194,4 @@ pub use schema::{Schema, SchemaError};
 pub use store::PostgresStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
-pub use store::{
-    BatchClaim, Claimed, FirstDelivery, InboxStore, MaintenanceLock, PartitionCreation,
-};
+pub use store::InboxStore;

@@ -34,9 +34,8 @@
 
 use std::time::Duration;
 
-use crate::delivery::DeadReason;
+use crate::dead_reason::DeadReason;
 use crate::envelope::ConsumerType;
-use crate::inbox::Outcome;
 use crate::saga::{Direction, SagaStatus};
 
 #[cfg(feature = "prometheus")]
@@ -99,13 +98,6 @@ impl MessageOutcome {
         MessageOutcome::Duplicate,
         MessageOutcome::Failed,
     ];
-
-    pub(crate) const fn of(outcome: &Outcome) -> Self {
-        match outcome {
-            Outcome::Applied(_) => MessageOutcome::Applied,
-            Outcome::Duplicate { .. } => MessageOutcome::Duplicate,
-        }
-    }
 
     pub(crate) const fn as_str(self) -> &'static str {
         match self {

@@ -39,7 +39,7 @@ use crate::inbox::{InboxConfig, InboxError, InboxGuard};
 use crate::orchestrator::{Orchestrator, OrchestratorArguments, OrchestratorMessage};
 use crate::pruner::{Pruner, PrunerArguments, PrunerMessage, PrunerSettings};
 use crate::saga::versions::RegisterError;
-use crate::saga::{SagaDefinition, SagaStore, StartError, history_pass};
+use crate::saga::{SagaDefinition, SagaStore, StartError, history_pass, start_consumer};
 use crate::store::InboxStore;
 use crate::supervisor::{ActorDied, Supervision};
 use crate::transport::{self, Dispatcher, Transport, TransportError};
@@ -133,10 +133,6 @@ pub enum OrchestrateError {
 /// `<prefix>.<saga>.start`.
 pub fn start_queue(transport: &Transport, saga: &str) -> Result<String, KeyError> {
     Ok(transport.destination(&start_consumer(saga)?))
-}
-
-pub(crate) fn start_consumer(saga: &str) -> Result<ConsumerType, KeyError> {
-    ConsumerType::new(format!("{saga}.start"))
 }
 
 /// Drives `config.definitions` on `store` over the broker until `shutdown` resolves,
@@ -316,9 +312,9 @@ async fn spawn_pruner<S: InboxStore>(
         interval: settings.interval,
     };
     let (pruner, _) = supervision
-        .spawn(crate::participant::PRUNER, Pruner::new(), arguments)
+        .spawn(crate::pruner::ACTOR, Pruner::new(), arguments)
         .await
-        .map_err(|e| spawn_error(crate::participant::PRUNER, e))?;
+        .map_err(|e| spawn_error(crate::pruner::ACTOR, e))?;
     Ok(pruner)
 }
 

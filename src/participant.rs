@@ -96,7 +96,7 @@ use report::Tallied;
 /// The label of the relay actor in [`ParticipantError::ActorDied`] reports.
 pub const RELAY: &str = "relay";
 /// The label of the pruner actor in [`ParticipantError::ActorDied`] reports.
-pub const PRUNER: &str = "pruner";
+pub const PRUNER: &str = crate::pruner::ACTOR;
 
 /// How one hosted step differs from the participant's defaults.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -96,6 +96,10 @@ impl<S: InboxStore> Maintenance for InboxGuard<S> {
     }
 }
 
+/// The pruner actor's name, as a supervisor reports its death.
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+pub(crate) const ACTOR: &str = "pruner";
+
 /// How a service runs its [`Pruner`] (a participant's or an orchestrator's). What it
 /// drops is decided by the inbox's TTL and how far ahead it creates partitions by its
 /// `partitions_ahead`, both in the service's [`InboxConfig`](crate::InboxConfig) — the

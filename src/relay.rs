@@ -72,7 +72,7 @@ pub enum RelayError {
     #[error(transparent)]
     Broker(#[from] TransportError),
     /// The database failed.
-    #[error("outbox database error: {}", crate::database::describe(.0))]
+    #[error("outbox database error: {}", crate::connection::describe(.0))]
     Database(#[from] sqlx::Error),
     /// The configuration was refused.
     #[error("invalid relay configuration: {0}")]

@@ -37,3 +37,13 @@ pub use store::{
     DEFAULT_HISTORY_RETENTION, FinishedMinute, HISTORY_PARTITION_PREFIX, HistoryPruned, SagaCount,
     SagaCursor, SagaFilter, SagaInsert, SagaSave, SagaStore, Started, history_pass,
 };
+
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+use crate::envelope::{ConsumerType, KeyError};
+
+/// The consumer type whose queue or subject takes the start messages of the saga named
+/// `saga`: `<saga>.start`.
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+pub(crate) fn start_consumer(saga: &str) -> Result<ConsumerType, KeyError> {
+    ConsumerType::new(format!("{saga}.start"))
+}

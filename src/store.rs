@@ -2,8 +2,8 @@
 //! [`InboxGuard`](crate::InboxGuard) needs from a database, implemented by
 //! [`PostgresStore`] (production) and [`SqliteStore`] (the embedded default).
 //!
-//! [`AnyStore`] is the store a URL names, chosen at run time, for the code that works on
-//! sagas on either database.
+//! The store a URL names, chosen at run time, is
+//! [`database::AnyStore`](crate::database::AnyStore).
 //!
 //! A store does no policy: it claims, records and manages partitions exactly where the
 //! guard tells it to. Deciding the month, the TTL and the metrics is the guard's job.
@@ -19,16 +19,12 @@ use crate::envelope::{ConsumerType, MessageId};
 use crate::month::Month;
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-mod any;
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod layout;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
-pub use any::{AnyStore, OnAnyStore, OnStore, Store};
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::MIGRATOR as POSTGRES_MIGRATOR;
 #[cfg(feature = "postgres")]

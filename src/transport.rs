@@ -269,6 +269,20 @@ pub(crate) trait StopDispatch {
     fn stop_dispatch(&self) -> impl Future<Output = ()> + Send;
 }
 
+#[cfg(feature = "rabbitmq")]
+impl StopDispatch for crate::amqp::AmqpDispatch {
+    fn stop_dispatch(&self) -> impl Future<Output = ()> + Send {
+        self.stop()
+    }
+}
+
+#[cfg(feature = "nats")]
+impl StopDispatch for crate::nats::NatsDispatch {
+    fn stop_dispatch(&self) -> impl Future<Output = ()> + Send {
+        self.stop()
+    }
+}
+
 impl<D: Dispatch + StopDispatch + std::fmt::Debug> BrokerDispatch for D {
     fn dispatch_boxed<'a>(
         &'a self,

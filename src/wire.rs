@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::delivery::DeadReason;
+use crate::dead_reason::DeadReason;
 use crate::envelope::{Envelope, KeyError, MessageId};
 
 /// The body of a message on the wire.

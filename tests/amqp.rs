@@ -24,7 +24,8 @@ use sagabox::amqp::{
     codec,
 };
 use sagabox::consumer::ConsumerHandle;
-use sagabox::delivery::{DEAD_REASON_HEADER, Disposition};
+use sagabox::dead_reason::DEAD_REASON_HEADER;
+use sagabox::delivery::Disposition;
 use sagabox::orchestrator::Dispatch;
 use sagabox::outbox::OutboxWriter;
 use sagabox::relay::{Relay, RelayArguments, RelayConfig};

@@ -8,8 +8,8 @@
 mod common;
 
 use chrono::Utc;
+use sagabox::database::{AnyStore, OnStore, Store};
 use sagabox::saga::{SagaDefinition, SagaInstance, SagaStore};
-use sagabox::store::{AnyStore, OnStore, Store};
 use sagabox::{InboxError, Schema};
 use serde_json::json;
 use sqlx::Database;

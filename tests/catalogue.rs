@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-use sagabox::delivery::DeadReason;
+use sagabox::dead_reason::DeadReason;
 use sagabox::metrics::{CATALOGUE, DEAD_LETTERS_TOTAL};
 
 /// The metrics an in-process demo never emits: it has no transport to dead-letter or

@@ -544,11 +544,12 @@ async fn a_command_older_than_the_inbox_window_is_dead_lettered_as_rejected() {
         Some(lapin::types::AMQPValue::LongString(text)) => text.to_string(),
         other => panic!("{name}: {other:?}"),
     };
-    assert_eq!(header(sagabox::delivery::DEAD_REASON_HEADER), "rejected");
+    assert_eq!(header(sagabox::dead_reason::DEAD_REASON_HEADER), "rejected");
     assert!(
-        header(sagabox::delivery::DEAD_DETAIL_HEADER).contains("before the deduplication window"),
+        header(sagabox::dead_reason::DEAD_DETAIL_HEADER)
+            .contains("before the deduplication window"),
         "{}",
-        header(sagabox::delivery::DEAD_DETAIL_HEADER)
+        header(sagabox::dead_reason::DEAD_DETAIL_HEADER)
     );
     assert_eq!(
         letters[0]

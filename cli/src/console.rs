@@ -28,9 +28,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use sagabox::InboxError;
+use sagabox::database::AnyStore;
 use sagabox::database::open_migrated;
 use sagabox::inspect::InspectOptions;
-use sagabox::store::AnyStore;
 use sagabox::transport::Transport;
 
 /// Database connections the console holds: a page runs its queries one after another,

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Subcommand};
-use sagabox::delivery::DeadReason;
+use sagabox::dead_reason::DeadReason;
 use sagabox::dlq::{DeadLetters, DlqError, ReplayOptions};
 use sagabox::transport::Transport;
 use sagabox_cli::args;

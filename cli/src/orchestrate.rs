@@ -6,8 +6,8 @@ use std::future::Future;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use sagabox::database::{AnyStore, OnStore, Store};
 use sagabox::orchestrate::{OrchestrateConfig, OrchestrateError, orchestrate};
-use sagabox::store::{AnyStore, OnStore, Store};
 use sagabox_cli::args::{self, DEFAULT_DATABASE_URL};
 
 use crate::{failed, interrupted, start_metrics, usage_error};

@@ -23,7 +23,7 @@ use chrono::Utc;
 use common::rabbit::Rabbit;
 use lapin::types::AMQPValue;
 use sagabox::amqp::codec;
-use sagabox::delivery::{DEAD_DETAIL_HEADER, DEAD_REASON_HEADER};
+use sagabox::dead_reason::{DEAD_DETAIL_HEADER, DEAD_REASON_HEADER};
 use sagabox::saga::{SagaDefinition, SagaInsert, SagaInstance, SagaStatus, SagaStore};
 use sagabox::{Envelope, MessageId};
 use serde_json::json;

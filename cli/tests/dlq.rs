@@ -22,7 +22,7 @@ use common::rabbit::Rabbit;
 use lapin::BasicProperties;
 use lapin::types::AMQPValue;
 use sagabox::amqp::codec;
-use sagabox::delivery::{DEAD_DETAIL_HEADER, DEAD_REASON_HEADER};
+use sagabox::dead_reason::{DEAD_DETAIL_HEADER, DEAD_REASON_HEADER};
 use sagabox::dlq::REPLAYED_HEADER;
 use sagabox::{Envelope, MessageId};
 use serde_json::{Value, json};

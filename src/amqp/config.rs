@@ -155,7 +155,7 @@ impl AmqpConfig {
         self
     }
 
-    fn set_inbox(&mut self, inbox: &InboxConfig) {
+    pub(crate) fn set_inbox(&mut self, inbox: &InboxConfig) {
         if self.message_ttl.is_some() {
             self.message_ttl = Some(inbox.broker_retention);
         }
@@ -324,48 +324,6 @@ impl AmqpConfig {
     /// The wait before reconnection attempt `attempt` (0-based).
     pub(crate) fn backoff(&self, attempt: u32) -> Duration {
         crate::backoff::doubling(self.reconnect_backoff, attempt, self.max_reconnect_backoff)
-    }
-}
-
-impl crate::transport::BrokerSettings for AmqpConfig {
-    fn validate(&self) -> Result<(), crate::transport::TransportError> {
-        Ok(AmqpConfig::validate(self)?)
-    }
-
-    fn broker(&self) -> &'static str {
-        "RabbitMQ"
-    }
-
-    fn url(&self) -> &str {
-        &self.url
-    }
-
-    fn prefix(&self) -> &str {
-        &self.queue_prefix
-    }
-
-    fn prefetch(&self) -> u16 {
-        self.prefetch
-    }
-
-    fn set_prefetch(&mut self, prefetch: u16) {
-        self.prefetch = prefetch;
-    }
-
-    fn set_max_deliveries(&mut self, deliveries: u32) {
-        self.max_redeliveries = deliveries;
-    }
-
-    fn set_retention_of(&mut self, inbox: &InboxConfig) {
-        self.set_inbox(inbox);
-    }
-
-    fn set_replicas(&mut self, replicas: u8) {
-        self.replicas = Some(replicas);
-    }
-
-    fn destination(&self, consumer_type: &ConsumerType) -> String {
-        self.queue(consumer_type)
     }
 }
 

@@ -39,8 +39,9 @@ use super::broker::{self, Publisher, Routing};
 use super::codec;
 use super::config::{AmqpConfig, AmqpError, QueueType};
 use crate::consumer::{Health, Next, Received, Retried, Source, Subscription};
-use crate::delivery::DeadReason;
-use crate::delivery::{ATTEMPTS_HEADER, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER, DeliveryHandler};
+use crate::dead_reason::DeadReason;
+use crate::dead_reason::{DEAD_DETAIL_HEADER, DEAD_REASON_HEADER};
+use crate::delivery::{ATTEMPTS_HEADER, DeliveryHandler};
 use crate::envelope::{ConsumerType, Envelope, MessageId};
 use crate::wire::Malformed;
 

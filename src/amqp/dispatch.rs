@@ -191,12 +191,6 @@ impl AmqpDispatch {
     }
 }
 
-impl crate::transport::StopDispatch for AmqpDispatch {
-    fn stop_dispatch(&self) -> impl Future<Output = ()> + Send {
-        self.stop()
-    }
-}
-
 impl Dispatch for AmqpDispatch {
     async fn dispatch(
         &self,

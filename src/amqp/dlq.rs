@@ -23,8 +23,9 @@ use lapin::{BasicProperties, Channel, Connection};
 use super::broker::{self, Publisher, Routing};
 use super::codec;
 use super::config::{AmqpConfig, AmqpError};
-use crate::delivery::DeadReason;
-use crate::delivery::{ATTEMPTS_HEADER, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER};
+use crate::dead_reason::DeadReason;
+use crate::dead_reason::{DEAD_DETAIL_HEADER, DEAD_REASON_HEADER};
+use crate::delivery::ATTEMPTS_HEADER;
 use crate::dlq::{
     DeadLetter, DeadLetterList, DlqError, REPLAYED_HEADER, ReplayOptions, ReplayReport, queue_names,
 };

@@ -105,7 +105,7 @@ impl<S: InboxStore> InboxGuard<S> {
                 for outcome in outcomes {
                     let label = outcome
                         .as_ref()
-                        .map_or(MessageOutcome::Failed, MessageOutcome::of);
+                        .map_or(MessageOutcome::Failed, Outcome::metric);
                     metrics::inbox_message(consumer_type, label);
                 }
             }

@@ -102,7 +102,7 @@ pub enum InboxError {
     },
     /// The database could not be opened or reached (boxed: it is the largest variant).
     #[error(transparent)]
-    Connect(Box<crate::database::ConnectError>),
+    Connect(Box<crate::connection::ConnectError>),
     /// The database is missing or has not had sagabox's migrations (all of them).
     #[error(
         "{url} is not a sagabox database at the current version ({what}); run `sagabox migrate --database-url …` first"
@@ -117,7 +117,7 @@ pub enum InboxError {
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     /// The database failed; the transaction was rolled back and nothing was recorded.
-    #[error("database error: {}", crate::database::describe(.0))]
+    #[error("database error: {}", crate::connection::describe(.0))]
     Database(#[source] sqlx::Error),
     /// No pooled connection became free within the pool's acquire timeout: every one was
     /// busy, or the database could not be reached to open a new one. Nothing was done.
@@ -146,8 +146,8 @@ impl From<sqlx::Error> for InboxError {
     }
 }
 
-impl From<crate::database::ConnectError> for InboxError {
-    fn from(error: crate::database::ConnectError) -> Self {
+impl From<crate::connection::ConnectError> for InboxError {
+    fn from(error: crate::connection::ConnectError) -> Self {
         InboxError::Connect(Box::new(error))
     }
 }

@@ -130,7 +130,7 @@ impl<S: InboxStore> InboxGuard<S> {
             .await
             .map_err(|error| self.sized(error));
         let label = match &result {
-            Ok(outcome) => MessageOutcome::of(outcome),
+            Ok(outcome) => outcome.metric(),
             Err(_) => MessageOutcome::Failed,
         };
         span.record("outcome", label.as_str());

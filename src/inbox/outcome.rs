@@ -3,6 +3,8 @@
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 
+use crate::metrics::MessageOutcome;
+
 /// What [`InboxGuard::process`](crate::InboxGuard::process) did with a message.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
@@ -32,6 +34,14 @@ impl Outcome {
 
     /// The metric label of this outcome: `applied` or `duplicate`.
     pub fn label(&self) -> &'static str {
-        crate::metrics::MessageOutcome::of(self).as_str()
+        self.metric().as_str()
+    }
+
+    /// This outcome as the `outcome` of the inbox's message counter.
+    pub(crate) const fn metric(&self) -> MessageOutcome {
+        match self {
+            Outcome::Applied(_) => MessageOutcome::Applied,
+            Outcome::Duplicate { .. } => MessageOutcome::Duplicate,
+        }
     }
 }

@@ -225,48 +225,6 @@ pub(crate) fn stream_name(subject: &str) -> String {
     subject.replace('.', "_")
 }
 
-impl crate::transport::BrokerSettings for NatsConfig {
-    fn validate(&self) -> Result<(), crate::transport::TransportError> {
-        Ok(NatsConfig::validate(self)?)
-    }
-
-    fn broker(&self) -> &'static str {
-        "NATS JetStream"
-    }
-
-    fn url(&self) -> &str {
-        &self.url
-    }
-
-    fn prefix(&self) -> &str {
-        &self.prefix
-    }
-
-    fn prefetch(&self) -> u16 {
-        self.prefetch
-    }
-
-    fn set_prefetch(&mut self, prefetch: u16) {
-        self.prefetch = prefetch;
-    }
-
-    fn set_max_deliveries(&mut self, deliveries: u32) {
-        self.max_deliver = deliveries;
-    }
-
-    fn set_retention_of(&mut self, inbox: &crate::inbox::InboxConfig) {
-        self.retention = inbox.broker_retention;
-    }
-
-    fn set_replicas(&mut self, replicas: u8) {
-        self.replicas = usize::from(replicas);
-    }
-
-    fn destination(&self, consumer_type: &ConsumerType) -> String {
-        self.subject(consumer_type)
-    }
-}
-
 /// What went wrong in the NATS transport.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -196,12 +196,6 @@ impl NatsDispatch {
     }
 }
 
-impl crate::transport::StopDispatch for NatsDispatch {
-    fn stop_dispatch(&self) -> impl Future<Output = ()> + Send {
-        self.stop()
-    }
-}
-
 impl Dispatch for NatsDispatch {
     async fn dispatch(
         &self,

@@ -22,7 +22,8 @@ use chrono::{DateTime, Utc};
 use super::codec::{MESSAGE_ID_HEADER, PUBLISHED_AT_HEADER, header};
 use super::config::{NatsConfig, NatsError, stream_name};
 use super::jetstream;
-use crate::delivery::{ATTEMPTS_HEADER, DEAD_DETAIL_HEADER, DEAD_REASON_HEADER};
+use crate::dead_reason::{DEAD_DETAIL_HEADER, DEAD_REASON_HEADER};
+use crate::delivery::ATTEMPTS_HEADER;
 use crate::dlq::{
     DeadLetter, DeadLetterList, DlqError, REPLAYED_HEADER, ReplayOptions, ReplayReport, queue_names,
 };

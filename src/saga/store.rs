@@ -292,7 +292,7 @@ pub trait SagaStore: Clone + Send + Sync + 'static {
 /// connection of the caller's, so a store chosen at run time ([`AnyStore`]) implements
 /// it too.
 ///
-/// [`AnyStore`]: crate::store::AnyStore
+/// [`AnyStore`]: crate::database::AnyStore
 pub trait SagaInsert: SagaStore {
     /// The database.
     type SagaDb: Database;

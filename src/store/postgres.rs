@@ -23,7 +23,7 @@ use sqlx::query::Query;
 use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, Connection, Postgres, Row, Transaction};
 
-use crate::database::ConnectError;
+use crate::connection::ConnectError;
 use crate::envelope::ConsumerType;
 use crate::month::Month;
 use crate::schema::Schema;
@@ -123,8 +123,8 @@ impl PostgresStore {
     /// error names the host and port (the URL's password redacted).
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, ConnectError> {
         let failed = |error| ConnectError::new(url, error);
-        let options = crate::database::postgres_options(url)?.application_name("sagabox");
-        crate::database::connect_postgres(url, &options)
+        let options = crate::connection::postgres_options(url)?.application_name("sagabox");
+        crate::connection::connect_postgres(url, &options)
             .await?
             .close()
             .await

@@ -19,7 +19,7 @@ use sqlx::sqlite::{
 use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection, Transaction};
 
-use crate::database::ConnectError;
+use crate::connection::ConnectError;
 use crate::month::Month;
 use crate::schema::Schema;
 use crate::store::{
@@ -48,7 +48,7 @@ impl SqliteStore {
 
     /// The most connections worth pooling: SQLite writes one transaction at a time, and
     /// connections beyond these only queue on its lock.
-    /// [`AnyStore::connect`](crate::store::AnyStore::connect) opens at most this many.
+    /// [`AnyStore::connect`](crate::database::AnyStore::connect) opens at most this many.
     pub const MAX_USEFUL_CONNECTIONS: u32 = 8;
 
     /// Opens (creating if missing) the database at `url` (`sqlite:path/to/file.db`) with
@@ -57,7 +57,7 @@ impl SqliteStore {
     ///
     /// The error names the file, and the folder when that is what is missing.
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, ConnectError> {
-        crate::database::check_sqlite_folder(url)?;
+        crate::connection::check_sqlite_folder(url)?;
         let failed = |error| ConnectError::new(url, error);
         let options = SqliteConnectOptions::from_str(url)
             .map_err(failed)?

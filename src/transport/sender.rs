@@ -148,7 +148,7 @@ impl Sender {
     /// where the saga is the envelope's `kind` and its data the `payload`. The saga's id
     /// is derived from the message id, so sending it again starts no second saga.
     pub async fn start_saga(&mut self, start: &Envelope) -> Result<(), TransportError> {
-        let destination = crate::orchestrate::start_consumer(&start.kind)?;
+        let destination = crate::saga::start_consumer(&start.kind)?;
         self.send(&destination, start).await
     }
 

@@ -1,6 +1,6 @@
 //! What the transport boundary reads and sets on a broker's configuration, whatever the
-//! broker: [`BrokerSettings`], implemented by each broker's configuration in its own
-//! module, so [`Transport`](super::Transport) asks its broker once
+//! broker: [`BrokerSettings`], implemented here for each broker's configuration (the
+//! transport sits above the brokers, which never import it), so [`Transport`](super::Transport) asks its broker once
 //! ([`Transport::settings`](super::Transport)) instead of matching on it for every field.
 
 use crate::envelope::ConsumerType;
@@ -31,4 +31,90 @@ pub(crate) trait BrokerSettings {
     fn set_replicas(&mut self, replicas: u8);
     /// Where `consumer_type`'s messages are sent: a queue or a subject.
     fn destination(&self, consumer_type: &ConsumerType) -> String;
+}
+
+#[cfg(feature = "rabbitmq")]
+impl BrokerSettings for crate::amqp::AmqpConfig {
+    fn validate(&self) -> Result<(), TransportError> {
+        Ok(crate::amqp::AmqpConfig::validate(self)?)
+    }
+
+    fn broker(&self) -> &'static str {
+        "RabbitMQ"
+    }
+
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn prefix(&self) -> &str {
+        &self.queue_prefix
+    }
+
+    fn prefetch(&self) -> u16 {
+        self.prefetch
+    }
+
+    fn set_prefetch(&mut self, prefetch: u16) {
+        self.prefetch = prefetch;
+    }
+
+    fn set_max_deliveries(&mut self, deliveries: u32) {
+        self.max_redeliveries = deliveries;
+    }
+
+    fn set_retention_of(&mut self, inbox: &InboxConfig) {
+        self.set_inbox(inbox);
+    }
+
+    fn set_replicas(&mut self, replicas: u8) {
+        self.replicas = Some(replicas);
+    }
+
+    fn destination(&self, consumer_type: &ConsumerType) -> String {
+        self.queue(consumer_type)
+    }
+}
+
+#[cfg(feature = "nats")]
+impl BrokerSettings for crate::nats::NatsConfig {
+    fn validate(&self) -> Result<(), TransportError> {
+        Ok(crate::nats::NatsConfig::validate(self)?)
+    }
+
+    fn broker(&self) -> &'static str {
+        "NATS JetStream"
+    }
+
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    fn prefetch(&self) -> u16 {
+        self.prefetch
+    }
+
+    fn set_prefetch(&mut self, prefetch: u16) {
+        self.prefetch = prefetch;
+    }
+
+    fn set_max_deliveries(&mut self, deliveries: u32) {
+        self.max_deliver = deliveries;
+    }
+
+    fn set_retention_of(&mut self, inbox: &InboxConfig) {
+        self.retention = inbox.broker_retention;
+    }
+
+    fn set_replicas(&mut self, replicas: u8) {
+        self.replicas = usize::from(replicas);
+    }
+
+    fn destination(&self, consumer_type: &ConsumerType) -> String {
+        self.subject(consumer_type)
+    }
 }

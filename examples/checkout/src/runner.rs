@@ -14,6 +14,7 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use sagabox::Schema;
 use sagabox::clock::{Clock, ScaledClock};
+use sagabox::database::{AnyStore, OnStore, Store};
 use sagabox::inbox::{InboxConfig, InboxError, InboxGuard};
 use sagabox::logging::redact;
 use sagabox::month::Month;
@@ -21,7 +22,6 @@ use sagabox::orchestrator::{DriveStats, Orchestrator, OrchestratorArguments, Orc
 use sagabox::pruner::{Maintenance, PrunePass, Pruner, PrunerArguments, PrunerMessage};
 use sagabox::saga::{SagaDefinition, SagaInsert, SagaInstance};
 use sagabox::step::StepHandler;
-use sagabox::store::{AnyStore, OnStore, Store};
 use sagabox::supervisor::Supervision;
 use sagabox::testing::FaultyDispatch;
 use serde_json::{Value, json};

@@ -7,6 +7,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use sagabox::clock::Clock;
+use sagabox::database::{AnyStore, OnStore, Store};
 use sagabox::envelope::ConsumerType;
 use sagabox::inbox::{InboxConfig, InboxGuard};
 use sagabox::logging::redact;
@@ -16,7 +17,7 @@ use sagabox::participant::{PrunerSettings, StepOptions};
 use sagabox::relay::{OutboxSource, Relay, RelayArguments, RelayConfig, RelayMessage};
 use sagabox::saga::{SagaDefinition, SagaStore};
 use sagabox::step::{StepFailure, StepHandler, StepPool, StepPoolConfig, StepReply};
-use sagabox::store::{AnyStore, InboxStore, OnStore, Store};
+use sagabox::store::InboxStore;
 use sagabox::supervisor::Supervision;
 use sagabox::transport::{Dispatcher, Transport};
 use sagabox::{Envelope, Participant, ParticipantHandle};

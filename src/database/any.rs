@@ -115,14 +115,14 @@ impl AnyStore {
         connections: u32,
         schema: &crate::schema::Schema,
     ) -> Result<Self, InboxError> {
-        match crate::database::Backend::of(url)? {
+        match super::Backend::of(url)? {
             #[cfg(feature = "postgres")]
-            crate::database::Backend::Postgres => Ok(PostgresStore::connect(url, connections)
+            super::Backend::Postgres => Ok(PostgresStore::connect(url, connections)
                 .await?
                 .with_schema(schema.clone())
                 .into()),
             #[cfg(feature = "sqlite")]
-            crate::database::Backend::Sqlite => {
+            super::Backend::Sqlite => {
                 let _ = schema;
                 let connections = connections.min(SqliteStore::MAX_USEFUL_CONNECTIONS);
                 Ok(SqliteStore::connect(url, connections).await?.into())
@@ -149,12 +149,12 @@ impl AnyStore {
             #[cfg(feature = "postgres")]
             AnyStore::Postgres(store) => {
                 let mut conn = store.pool().acquire().await?;
-                crate::database::unapplied_postgres(&mut conn, store.schema()).await
+                super::unapplied_postgres(&mut conn, store.schema()).await
             }
             #[cfg(feature = "sqlite")]
             AnyStore::Sqlite(store) => {
                 let mut conn = store.pool().acquire().await?;
-                crate::database::unapplied_sqlite(&mut conn).await
+                super::unapplied_sqlite(&mut conn).await
             }
         }
     }
