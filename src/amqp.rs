@@ -32,14 +32,15 @@ mod config;
 mod consumer;
 mod dispatch;
 mod dlq;
+mod link;
 mod management;
 
-pub(crate) use broker::{Publisher, Routing, connect, declare, delete_queue};
 pub use config::{AmqpConfig, AmqpError, QueueType};
 pub use consumer::{Consumer, ConsumerOptions};
 pub(crate) use dispatch::serve_step_in_batches;
 pub use dispatch::{AmqpDispatch, serve_step, serve_step_batched};
 pub use dlq::DeadLetterQueue;
+pub(crate) use link::Link;
 pub use management::{
     QueueRetention, RETENTION_SETTING, check_retention, measure_retention, prefixed_queues,
 };

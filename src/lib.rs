@@ -166,6 +166,8 @@ pub mod outbox;
 pub mod participant;
 pub mod pruner;
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
+mod publish;
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub mod relay;
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub mod reply;
@@ -190,8 +192,8 @@ pub use month::Month;
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub use participant::{Participant, ParticipantError, ParticipantHandle, ParticipantReport};
 pub use schema::{Schema, SchemaError};
+pub use store::InboxStore;
 #[cfg(feature = "postgres")]
 pub use store::PostgresStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
-pub use store::InboxStore;

@@ -24,6 +24,7 @@ mod consumer;
 mod dispatch;
 mod dlq;
 mod jetstream;
+mod link;
 mod stall;
 
 pub use config::{NatsConfig, NatsError};
@@ -31,4 +32,4 @@ pub use consumer::{Consumer, ConsumerOptions};
 pub use dispatch::{NatsDispatch, serve_step};
 pub use dlq::DeadLetterStream;
 pub use jetstream::{RETENTION_SETTING, measured_retention, prefixed_streams};
-pub(crate) use jetstream::{connect, declare, delete_stream, publish};
+pub(crate) use link::Link;

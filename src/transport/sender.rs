@@ -14,12 +14,12 @@
 //! such as the request's id), and the consumer's inbox applies it once.
 
 use std::collections::HashSet;
+use std::fmt::Debug;
 
-#[cfg(feature = "rabbitmq")]
-use crate::amqp::{self, AmqpConfig, Publisher, Routing, codec};
+use futures_util::future::BoxFuture;
+
 use crate::envelope::{ConsumerType, Envelope};
-#[cfg(feature = "nats")]
-use crate::nats::{self, NatsConfig};
+use crate::publish::{Confirmed, Publish};
 
 use super::{Transport, TransportError};
 
@@ -47,26 +47,68 @@ use super::{Transport, TransportError};
 #[derive(Debug)]
 pub struct Sender {
     transport: Transport,
-    link: Link,
+    link: Box<dyn Link>,
     /// The destinations declared on this connection.
     declared: HashSet<String>,
 }
 
-/// The broker connection behind a [`Sender`].
-#[derive(Debug)]
-enum Link {
-    #[cfg(feature = "rabbitmq")]
-    Amqp {
-        config: AmqpConfig,
-        connection: lapin::Connection,
-        publisher: Publisher,
-    },
-    #[cfg(feature = "nats")]
-    Nats {
-        config: NatsConfig,
-        client: async_nats::Client,
-        context: async_nats::jetstream::Context,
-    },
+/// A broker's [`Publish`], its futures boxed and its errors made [`TransportError`]s,
+/// so that a [`Sender`] holds either broker's connection as one type.
+trait Link: Debug + Send + Sync {
+    fn is_connected(&self) -> bool;
+    fn declare<'a>(
+        &'a self,
+        destination: &'a ConsumerType,
+    ) -> BoxFuture<'a, Result<(), TransportError>>;
+    fn send_all<'a>(
+        &'a self,
+        messages: &'a [(&'a ConsumerType, &'a Envelope)],
+    ) -> BoxFuture<'a, Result<Sent, TransportError>>;
+    fn remove<'a>(
+        &'a self,
+        consumer_type: &'a ConsumerType,
+    ) -> BoxFuture<'a, Result<(), TransportError>>;
+    fn close(self: Box<Self>) -> BoxFuture<'static, ()>;
+}
+
+impl<P: Publish> Link for P
+where
+    TransportError: From<P::Error>,
+{
+    fn is_connected(&self) -> bool {
+        Publish::is_connected(self)
+    }
+
+    fn declare<'a>(
+        &'a self,
+        destination: &'a ConsumerType,
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move { Ok(Publish::declare(self, destination).await?) })
+    }
+
+    fn send_all<'a>(
+        &'a self,
+        messages: &'a [(&'a ConsumerType, &'a Envelope)],
+    ) -> BoxFuture<'a, Result<Sent, TransportError>> {
+        Box::pin(async move {
+            let Confirmed { count, failure } = Publish::send_all(self, messages).await?;
+            Ok(Sent {
+                confirmed: count,
+                failure: failure.map(TransportError::from),
+            })
+        })
+    }
+
+    fn remove<'a>(
+        &'a self,
+        consumer_type: &'a ConsumerType,
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move { Ok(Publish::remove(self, consumer_type).await?) })
+    }
+
+    fn close(self: Box<Self>) -> BoxFuture<'static, ()> {
+        Box::pin(Publish::close(*self))
+    }
 }
 
 /// What [`Sender::send_all`] got confirmed.
@@ -84,27 +126,11 @@ impl Sender {
     /// (`<prefix>/<role>`, as the management UI and `/connz` show it).
     pub async fn connect(transport: &Transport, role: &str) -> Result<Self, TransportError> {
         transport.validate()?;
-        let link = match transport {
+        let link: Box<dyn Link> = match transport {
             #[cfg(feature = "rabbitmq")]
-            Transport::Amqp(config) => {
-                let connection = amqp::connect(config, role).await?;
-                let publisher = Publisher::open(&connection).await?;
-                Link::Amqp {
-                    config: config.clone(),
-                    connection,
-                    publisher,
-                }
-            }
+            Transport::Amqp(config) => Box::new(crate::amqp::Link::connect(config, role).await?),
             #[cfg(feature = "nats")]
-            Transport::Nats(config) => {
-                let client = nats::connect(config, role).await?;
-                let context = async_nats::jetstream::new(client.clone());
-                Link::Nats {
-                    config: config.clone(),
-                    client,
-                    context,
-                }
-            }
+            Transport::Nats(config) => Box::new(crate::nats::Link::connect(config, role).await?),
         };
         Ok(Self {
             transport: transport.clone(),
@@ -122,12 +148,7 @@ impl Sender {
     /// lost: connect a new sender. The NATS client reconnects by itself; a send while it
     /// is away fails.
     pub fn is_connected(&self) -> bool {
-        match &self.link {
-            #[cfg(feature = "rabbitmq")]
-            Link::Amqp { connection, .. } => connection.status().connected(),
-            #[cfg(feature = "nats")]
-            Link::Nats { .. } => true,
-        }
+        self.link.is_connected()
     }
 
     /// Sends `envelope` to `consumer_type`'s queue or stream and returns once the broker
@@ -163,61 +184,7 @@ impl Sender {
         for (destination, _) in &messages {
             self.declare(destination).await?;
         }
-        match &self.link {
-            #[cfg(feature = "rabbitmq")]
-            Link::Amqp {
-                config, publisher, ..
-            } => {
-                // Published in order on one channel (the broker keeps that order per
-                // queue), then every confirm awaited.
-                let mut confirms = Vec::with_capacity(messages.len());
-                for (destination, envelope) in &messages {
-                    let (body, properties) = codec::encode(envelope);
-                    let queue = config.queue(destination);
-                    let confirm = publisher
-                        .start_publish(&queue, &body, properties, Routing::Required)
-                        .await?;
-                    confirms.push((queue, confirm));
-                }
-                let mut confirmed = 0;
-                let mut failure = None;
-                for (queue, confirm) in confirms {
-                    match Publisher::confirmed(&queue, confirm).await {
-                        Ok(()) if failure.is_none() => confirmed += 1,
-                        Ok(()) => {}
-                        Err(error) => {
-                            failure.get_or_insert(error.into());
-                        }
-                    }
-                }
-                Ok(Sent { confirmed, failure })
-            }
-            #[cfg(feature = "nats")]
-            Link::Nats {
-                config, context, ..
-            } => {
-                // One at a time: JetStream stores each before the next is sent, so a
-                // failure leaves only what follows it unsent, in order. Each goes under
-                // its message id as `Nats-Msg-Id`: the server's duplicate window drops a
-                // second send of it.
-                let mut confirmed = 0;
-                for (destination, envelope) in &messages {
-                    let (body, headers) = nats::codec::encode(envelope);
-                    let subject = config.subject(destination);
-                    if let Err(error) = nats::publish(context, &subject, headers, body).await {
-                        return Ok(Sent {
-                            confirmed,
-                            failure: Some(error.into()),
-                        });
-                    }
-                    confirmed += 1;
-                }
-                Ok(Sent {
-                    confirmed,
-                    failure: None,
-                })
-            }
-        }
+        self.link.send_all(&messages).await
     }
 
     /// Creates `destination`'s queue or stream and its dead letters' as its consumers
@@ -227,20 +194,7 @@ impl Sender {
         if self.declared.contains(destination.as_str()) {
             return Ok(());
         }
-        match &self.link {
-            #[cfg(feature = "rabbitmq")]
-            Link::Amqp {
-                config, connection, ..
-            } => {
-                amqp::declare(connection, config, destination).await?;
-            }
-            #[cfg(feature = "nats")]
-            Link::Nats {
-                config, context, ..
-            } => {
-                nats::declare(context, config, destination).await?;
-            }
-        }
+        self.link.declare(destination).await?;
         self.declared.insert(destination.as_str().to_owned());
         Ok(())
     }
@@ -250,44 +204,11 @@ impl Sender {
     /// a test's): a live consumer type loses its messages.
     pub async fn remove(&mut self, consumer_type: &ConsumerType) -> Result<(), TransportError> {
         self.declared.remove(consumer_type.as_str());
-        match &self.link {
-            #[cfg(feature = "rabbitmq")]
-            Link::Amqp {
-                config, connection, ..
-            } => {
-                for queue in [
-                    config.queue(consumer_type),
-                    config.dead_queue(consumer_type),
-                ] {
-                    amqp::delete_queue(connection, &queue).await?;
-                }
-            }
-            #[cfg(feature = "nats")]
-            Link::Nats {
-                config, context, ..
-            } => {
-                for stream in [
-                    config.stream(consumer_type),
-                    config.dead_stream(consumer_type),
-                ] {
-                    nats::delete_stream(context, &stream).await?;
-                }
-            }
-        }
-        Ok(())
+        self.link.remove(consumer_type).await
     }
 
     /// Closes the connection (NATS: after flushing what was sent).
     pub async fn close(self) {
-        match self.link {
-            #[cfg(feature = "rabbitmq")]
-            Link::Amqp { connection, .. } => {
-                let _ = connection.close(200, "sender closing".into()).await;
-            }
-            #[cfg(feature = "nats")]
-            Link::Nats { client, .. } => {
-                let _ = client.drain().await;
-            }
-        }
+        self.link.close().await;
     }
 }
