@@ -82,7 +82,9 @@ impl ConsumerHandle {
     }
 
     /// Drops the consumer at once, without settling what is in flight: what a crash
-    /// does. Unacknowledged messages come back from the broker.
+    /// does. Unacknowledged messages come back from the broker. With the `testing`
+    /// feature, for tests of what a crashed consumer leaves.
+    #[cfg(feature = "testing")]
     pub fn abort(self) {
         self.task.abort();
     }

@@ -25,16 +25,14 @@
 //!
 //! # Layout
 //!
-//! - [`flight`], [`hotel`], [`car`], [`notify`]: the participants' step handlers.
+//! - [`FLIGHT`], [`HOTEL`], [`CAR`]: the booking participants, one [`Booking`] handler
+//!   over each one's names and table; [`notify`]: the itinerary's.
 //! - [`schema`]: their tables per database, and [`TripDb`].
 //!
 //! The tests (`cargo test -p sagabox-trip`) run trips through the in-process
 //! orchestrator on SQLite and PostgreSQL and check every outcome by SQL.
 
 mod booking;
-pub mod car;
-pub mod flight;
-pub mod hotel;
 pub mod notify;
 pub mod schema;
 
@@ -45,9 +43,7 @@ use sagabox::step::{StepError, StepPool, StepPoolConfig};
 use sagabox::{ConsumerType, Envelope, InboxGuard, InboxStore, KeyError, MessageId};
 use serde::{Deserialize, Serialize};
 
-pub use car::Car;
-pub use flight::Flight;
-pub use hotel::Hotel;
+pub use booking::{Booking, CAR, FLIGHT, HOTEL};
 pub use notify::Notify;
 pub use schema::TripDb;
 
@@ -71,7 +67,7 @@ pub struct Trip {
     pub traveller: String,
     /// Where to.
     pub destination: String,
-    /// Whether the rental desk has a car for this trip. `false` makes [`Car`] refuse for
+    /// Whether the rental desk has a car for this trip. `false` makes [`CAR`] refuse for
     /// good, so the saga compensates. Defaults to `true`.
     #[serde(default = "available")]
     pub car_available: bool,
@@ -176,9 +172,9 @@ where
     S::Db: TripDb,
 {
     Participant::new(store, broker)
-        .step(flight::CONSUMER, Flight)
-        .step(hotel::CONSUMER, Hotel)
-        .step(car::CONSUMER, Car)
+        .step(FLIGHT.consumer, FLIGHT)
+        .step(HOTEL.consumer, HOTEL)
+        .step(CAR.consumer, CAR)
         .step(notify::CONSUMER, Notify)
 }
 
@@ -195,9 +191,9 @@ where
 {
     let config = StepPoolConfig { workers };
     Ok(vec![
-        spawn(guard, flight::CONSUMER, Flight, &config).await?,
-        spawn(guard, hotel::CONSUMER, Hotel, &config).await?,
-        spawn(guard, car::CONSUMER, Car, &config).await?,
+        spawn(guard, FLIGHT.consumer, FLIGHT, &config).await?,
+        spawn(guard, HOTEL.consumer, HOTEL, &config).await?,
+        spawn(guard, CAR.consumer, CAR, &config).await?,
         spawn(guard, notify::CONSUMER, Notify, &config).await?,
     ])
 }
@@ -237,9 +233,9 @@ mod tests {
         assert_eq!(
             consumers,
             [
-                flight::CONSUMER,
-                hotel::CONSUMER,
-                car::CONSUMER,
+                FLIGHT.consumer,
+                HOTEL.consumer,
+                CAR.consumer,
                 notify::CONSUMER
             ]
         );
@@ -247,17 +243,14 @@ mod tests {
         assert_eq!(
             compensations,
             [
-                Some(flight::CANCEL),
-                Some(hotel::CANCEL),
-                Some(car::RETURN),
+                Some(FLIGHT.cancel),
+                Some(HOTEL.cancel),
+                Some(CAR.cancel),
                 None
             ]
         );
         let commands: Vec<_> = saga.steps().iter().map(|s| s.command()).collect();
-        assert_eq!(
-            commands,
-            [flight::BOOK, hotel::BOOK, car::RENT, notify::SEND]
-        );
+        assert_eq!(commands, [FLIGHT.book, HOTEL.book, CAR.book, notify::SEND]);
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../sagas/trip.toml");
         assert_eq!(SagaDefinition::load(path).unwrap(), saga);
     }
@@ -272,14 +265,14 @@ mod tests {
         assert_eq!(Trip::of(&start).unwrap(), trip);
         let bare = Envelope::new(
             MessageId::new("m").unwrap(),
-            flight::BOOK,
+            FLIGHT.book,
             serde_json::json!({"trip_id": "t-2", "traveller": "Bo", "destination": "Oslo", "steps": {}}),
         )
         .unwrap();
         assert!(Trip::of(&bare).unwrap().car_available, "defaults to a car");
         let bad = Envelope::new(
             MessageId::new("m").unwrap(),
-            flight::BOOK,
+            FLIGHT.book,
             serde_json::json!(7),
         )
         .unwrap();
