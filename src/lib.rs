@@ -104,8 +104,12 @@
 //! - [`tls`]: [`TlsFiles`](tls::TlsFiles) — the CA and client certificate a connection
 //!   trusts and presents, read and checked before connecting; [`TlsError`](tls::TlsError).
 //! - [`month`]: [`Month`], the partition unit; [`clock`]: [`Clock`], injectable time.
-//! - [`database`]: opening a store from a URL, migrating and pruning by URL, the typed
-//!   connection errors; [`redact`](logging::redact) for logs.
+//! - [`database`]: the store a URL names ([`AnyStore`](database::AnyStore), the one
+//!   place that picks the database at run time), migrating and pruning by URL, the typed
+//!   connection errors.
+//!
+//! `docs/architecture.md` tables the modules' layers: each imports only from its own
+//! layer and those below (`tests/layers.rs` holds it to that).
 //!
 //! The `sagabox` command (migrate, prune, inspect, saga, dlq, console, serve, orchestrate,
 //! demo, bench, bench-broker, bench-saga) is the
