@@ -529,6 +529,50 @@ macro_rules! orchestrator_suite {
                 }
             }
 
+            /// Two saves of one saga in one batch: the first is written, the second is
+            /// fenced by the version the first moved on, as two saves one after the
+            /// other would be; a save's several events all reach the history.
+            #[tokio::test]
+            async fn a_batch_with_two_saves_of_one_saga_writes_the_first_alone() {
+                let fx = <$fixture>::new().await;
+                let store = fx.store(2).await;
+                let saga = SagaInstance::new("twice", "journey", json!({}), Utc::now());
+                let other = SagaInstance::new("other", "journey", json!({}), Utc::now());
+                let mut conn = store.pool().acquire().await.unwrap();
+                store.insert(&mut conn, &saga).await.unwrap();
+                store.insert(&mut conn, &other).await.unwrap();
+                drop(conn);
+                let events = vec![
+                    SagaEvent::new(EventKind::Applied, Utc::now()),
+                    SagaEvent::new(EventKind::Completed, Utc::now()),
+                ];
+                let mut first = saga.clone();
+                first.status = SagaStatus::Completed;
+                let mut second = saga;
+                second.status = SagaStatus::Compensated;
+                let mut batch = vec![
+                    SagaSave::new(first, events.clone()),
+                    SagaSave::new(other, events),
+                    SagaSave::new(second, vec![SagaEvent::new(EventKind::Compensated, Utc::now())]),
+                ];
+                store.save_batch(&mut batch).await.unwrap();
+                let outcome: Vec<(&str, &str, bool)> = batch
+                    .iter()
+                    .map(|save| (save.instance.id.as_str(), save.instance.status.as_str(), save.written))
+                    .collect();
+                assert_eq!(
+                    outcome,
+                    [("other", "running", true), ("twice", "completed", true), ("twice", "compensated", false)]
+                );
+                let stored = store.load("twice").await.unwrap().unwrap();
+                assert_eq!((stored.status.as_str(), stored.version), ("completed", 1));
+                for id in ["twice", "other"] {
+                    let kinds: Vec<EventKind> =
+                        store.history(id).await.unwrap().into_iter().map(|entry| entry.event.kind).collect();
+                    assert_eq!(kinds, [EventKind::Started, EventKind::Applied, EventKind::Completed], "{id}");
+                }
+            }
+
             /// Step pools and an orchestrator on `fx`, with faults.
             async fn start(
                 fx: &$fixture,

@@ -174,28 +174,45 @@ impl Js {
     /// of its work stream — messages not delivered yet, delivered and unacknowledged, and
     /// sequences stored after its ack floor (a stalled consumer reports nothing pending
     /// while its stream holds such) — and, once that is 0, how many messages the stream
-    /// still holds although the consumer acknowledged them.
-    pub async fn settlement(&self, consumer_type: &str) -> (u64, u64) {
+    /// still holds although the consumer acknowledged them. `Err` is what the server
+    /// answered instead: a cluster that just lost a node answers "JetStream system
+    /// temporarily unavailable" for a while.
+    pub async fn settlement(&self, consumer_type: &str) -> Result<(u64, u64), String> {
         let name = self.config.stream(&Self::consumer_type(consumer_type));
-        let mut stream = self.context.get_stream(&name).await.expect("stream");
-        let state = stream.info().await.expect("stream info").state.clone();
+        let mut stream = self
+            .context
+            .get_stream(&name)
+            .await
+            .map_err(|error| format!("stream {name}: {error}"))?;
+        let state = stream
+            .info()
+            .await
+            .map_err(|error| format!("stream info {name}: {error}"))?
+            .state
+            .clone();
         if state.messages == 0 {
-            return (0, 0);
+            return Ok((0, 0));
         }
-        let info = stream.consumer_info(&name).await.expect("consumer info");
+        let info = stream
+            .consumer_info(&name)
+            .await
+            .map_err(|error| format!("consumer info {name}: {error}"))?;
         let unsettled = info.num_pending
             + u64::try_from(info.num_ack_pending).expect("a count")
             + state
                 .last_sequence
                 .saturating_sub(info.ack_floor.stream_sequence);
         let kept = if unsettled == 0 { state.messages } else { 0 };
-        (unsettled, kept)
+        Ok((unsettled, kept))
     }
 
     /// Messages of `consumer_type`'s work stream its consumer has yet to settle (see
     /// [`settlement`](Self::settlement)).
     pub async fn unsettled(&self, consumer_type: &str) -> u64 {
-        self.settlement(consumer_type).await.0
+        self.settlement(consumer_type)
+            .await
+            .expect("the server answers")
+            .0
     }
 
     /// Waits until the durable consumers of `consumer_types` have settled every message
@@ -215,12 +232,18 @@ impl Js {
         let deadline = std::time::Instant::now() + within;
         loop {
             let (mut left, mut kept) = (0, 0);
+            let mut unanswered = Vec::new();
             for consumer_type in consumer_types {
-                let (unsettled, acknowledged) = self.settlement(consumer_type).await;
-                left += unsettled;
-                kept += acknowledged;
+                match self.settlement(consumer_type).await {
+                    Ok((unsettled, acknowledged)) => {
+                        left += unsettled;
+                        kept += acknowledged;
+                    }
+                    // Asked again at the next poll, until the deadline.
+                    Err(error) => unanswered.push(error),
+                }
             }
-            if left == 0 {
+            if left == 0 && unanswered.is_empty() {
                 return kept;
             }
             alive();
@@ -229,7 +252,9 @@ impl Js {
                 for consumer_type in consumer_types {
                     state.push_str(&self.describe(consumer_type).await);
                 }
-                panic!("{context}{left} messages unsettled after {within:?}\n{state}");
+                panic!(
+                    "{context}{left} messages unsettled after {within:?}, unanswered: {unanswered:?}\n{state}"
+                );
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
