@@ -216,9 +216,10 @@ pub trait SagaStore: Clone + Send + Sync + 'static {
 
     /// Writes every save of `batch` as [`save`](Self::save) would — each checked against
     /// its own saga's version, a refused one left unwritten — in one transaction: one
-    /// commit for them all. The sagas are written in the order of their ids, so that two
-    /// batches never wait for each other's rows in a circle. A failure rolls the whole
-    /// batch back: nothing is written, every `written` stays `false`, no version moves.
+    /// commit for them all. The batch is sorted by saga id; SQLite writes it save by save
+    /// in that order, PostgreSQL in one statement over it. A failure (a deadlock with
+    /// another writer included) rolls the whole batch back: nothing is written, every
+    /// `written` stays `false`, no version moves.
     fn save_batch(
         &self,
         batch: &mut [SagaSave],
@@ -567,7 +568,7 @@ where
 }
 
 /// A query of database `DB` whose arguments are bound as it is built.
-type BoundQuery<'q, DB> = Query<'q, DB, <DB as Database>::Arguments>;
+pub(super) type BoundQuery<'q, DB> = Query<'q, DB, <DB as Database>::Arguments>;
 
 /// Binds an instance's columns to an insert, in the order [`insert_saga!`] names them.
 fn bind_instance<'q, DB: Database>(

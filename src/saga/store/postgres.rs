@@ -1,15 +1,18 @@
 //! [`SagaStore`] on PostgreSQL: a save writes the state and its events in one statement,
-//! the state's `UPDATE` in a common table expression feeding the events' `INSERT`; the
+//! the state's `UPDATE` in a common table expression feeding the events' `INSERT`, and a
+//! batch of saves is one such statement over arrays of every save's columns; the
 //! history is partitioned by month, and pruning drops whole months.
+
+use std::collections::HashSet;
 
 use chrono::{DateTime, Utc};
 use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, Postgres};
 
 use super::{
-    CREATE_ATTEMPTS, FINISHED_HISTORY, FinishedMinute, HISTORY_PARTITION_PREFIX, HistoryPruned,
-    SagaCount, SagaFilter, SagaInsert, SagaSave, SagaSql, SagaStore, Started, bind_instance,
-    bind_progress, command_round, started,
+    BoundQuery, CREATE_ATTEMPTS, FINISHED_HISTORY, FinishedMinute, HISTORY_PARTITION_PREFIX,
+    HistoryPruned, SagaCount, SagaFilter, SagaInsert, SagaSave, SagaSql, SagaStore, Started,
+    bind_instance, bind_progress, command_round, started,
 };
 use crate::month::Month;
 use crate::saga::history::{self, HistoryEntry, SagaEvent};
@@ -103,23 +106,34 @@ impl SagaInsert for PostgresStore {
     }
 }
 
+/// The statement that writes one save: `instance`'s progress fenced by its version, and
+/// `events` with it ([`SAVE`]), or the progress alone ([`UPDATE`]). It touches one row
+/// when the save is written, none when the version moved on.
+fn save_statement<'q>(
+    store: &PostgresStore,
+    instance: &'q SagaInstance,
+    events: &[SagaEvent],
+) -> BoundQuery<'q, Postgres> {
+    let sql = if events.is_empty() { UPDATE } else { SAVE };
+    let query = bind_progress(
+        sqlx::query(AssertSqlSafe(store.schema().sql(sql))),
+        instance,
+    );
+    if events.is_empty() {
+        query
+    } else {
+        query.bind(Json(history::rows(events)))
+    }
+}
+
 /// Writes each save of `batch` (sorted by saga id) with its own statement, in one
 /// transaction.
 async fn save_each(store: &PostgresStore, batch: &mut [SagaSave]) -> Result<(), sqlx::Error> {
     let mut tx = store.pool().begin().await?;
     let mut written = Vec::with_capacity(batch.len());
     for save in batch.iter() {
-        let sql = if save.events.is_empty() { UPDATE } else { SAVE };
-        let query = bind_progress(
-            sqlx::query(AssertSqlSafe(store.schema().sql(sql))),
-            &save.instance,
-        );
-        let query = if save.events.is_empty() {
-            query
-        } else {
-            query.bind(Json(history::rows(&save.events)))
-        };
-        written.push(query.execute(&mut *tx).await?.rows_affected() > 0);
+        let statement = save_statement(store, &save.instance, &save.events);
+        written.push(statement.execute(&mut *tx).await?.rows_affected() > 0);
     }
     tx.commit().await?;
     for (save, written) in batch.iter_mut().zip(written) {
@@ -154,14 +168,10 @@ impl SagaStore for PostgresStore {
         instance: &mut SagaInstance,
         events: &[SagaEvent],
     ) -> Result<bool, sqlx::Error> {
-        let sql = if events.is_empty() { UPDATE } else { SAVE };
-        let query = bind_progress(sqlx::query(AssertSqlSafe(self.schema().sql(sql))), instance);
-        let query = if events.is_empty() {
-            query
-        } else {
-            query.bind(Json(history::rows(events)))
-        };
-        let written = query.execute(self.pool()).await?.rows_affected();
+        let written = save_statement(self, instance, events)
+            .execute(self.pool())
+            .await?
+            .rows_affected();
         let saved = written > 0;
         if saved {
             instance.version += 1;
@@ -204,8 +214,9 @@ impl SagaStore for PostgresStore {
             .bind(events)
             .fetch_all(self.pool())
             .await?;
+        let written: HashSet<String> = written.into_iter().collect();
         for save in batch.iter_mut() {
-            save.written = written.contains(&save.instance.id);
+            save.written = written.contains(save.instance.id.as_str());
             if save.written {
                 save.instance.version += 1;
             }
