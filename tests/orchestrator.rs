@@ -527,6 +527,9 @@ macro_rules! orchestrator_suite {
                         history.iter().filter(|entry| entry.event.kind == EventKind::Completed).count();
                     assert_eq!(completed, completed_events, "{id}: {history:#?}");
                 }
+                // The two it finished count as finished, by the minute it finished them.
+                let finished = store.finished_per_minute(Utc::now() - chrono::TimeDelta::hours(1)).await.unwrap();
+                assert_eq!(finished.iter().map(|minute| minute.sagas).sum::<i64>(), 2, "{finished:?}");
             }
 
             /// Two saves of one saga in one batch: the first is written, the second is

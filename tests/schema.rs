@@ -563,3 +563,59 @@ async fn a_first_release_sqlite_file_is_renamed_in_place_with_every_row() {
         sqlite_layout(&old.pool).await
     );
 }
+
+/// A save between a saga's start and its end changes no indexed column of the saga
+/// table, so PostgreSQL writes it as a heap-only update, adding no index entry: every
+/// such save is counted as one (`n_tup_hot_upd`); the save that finishes a saga changes
+/// its status, which is indexed, and sets `finished_at`, which the finished sagas per
+/// minute are read by.
+#[tokio::test]
+async fn a_save_between_a_sagas_start_and_end_is_a_heap_only_update() {
+    let pg = common::Pg::new().await;
+    // One connection: its statistics are flushed, below, before they are read.
+    let store = pg.store(1).await;
+    let definition = SagaDefinition::from_toml_str(ORDER).unwrap();
+    let sagas: Vec<SagaInstance> = (0..8)
+        .map(|n| SagaInstance::under(&definition, format!("hot-{n}"), json!({"n": n}), Utc::now()))
+        .collect();
+    let mut conn = store.pool().acquire().await.unwrap();
+    for saga in &sagas {
+        store.insert(&mut conn, saga).await.unwrap();
+    }
+    drop(conn);
+    let mut middle_saves = 0;
+    for mut saga in sagas {
+        for attempt in 1..=3 {
+            saga.attempts = attempt;
+            saga.data = json!({"attempt": attempt});
+            saga.updated_at = Utc::now();
+            let event = SagaEvent::new(sagabox::saga::EventKind::Sent, saga.updated_at);
+            assert!(store.save(&mut saga, &[event]).await.unwrap());
+            middle_saves += 1;
+        }
+        saga.status = sagabox::saga::SagaStatus::Completed;
+        let event = SagaEvent::new(sagabox::saga::EventKind::Completed, Utc::now());
+        assert!(store.save(&mut saga, &[event]).await.unwrap());
+    }
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let (updates, heap_only): (i64, i64) = sqlx::query_as(
+        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables \
+         WHERE schemaname = 'sagabox' AND relname = 'sagabox_saga_instances'",
+    )
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(updates, middle_saves + 8, "every save counted");
+    assert_eq!(
+        heap_only, middle_saves,
+        "the saves between start and end, and only those"
+    );
+    let finished = store
+        .finished_per_minute(Utc::now() - chrono::TimeDelta::hours(1))
+        .await
+        .unwrap();
+    assert_eq!(finished.iter().map(|minute| minute.sagas).sum::<i64>(), 8);
+}

@@ -510,8 +510,10 @@ async fn bench_saga_measures_every_mode_against_the_floor_and_leaves_nothing_beh
         let commits = run["commits_per_saga"].as_f64().unwrap();
         if run["mode"] == "floor" {
             assert!(run["ratio_to_floor"].is_null(), "{run}");
+            // Beyond its seven per saga: the run's set-up (about 30 commits) and any
+            // autovacuum or autoanalyze of the scratch database, which count there too.
             assert!(
-                (7.0..=7.0 + 30.0 / f64::from(sagas)).contains(&commits),
+                (7.0..=7.0 + 60.0 / f64::from(sagas)).contains(&commits),
                 "the floor commits seven times per saga: {run}"
             );
         } else {

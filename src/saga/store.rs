@@ -241,8 +241,9 @@ pub trait SagaStore: Clone + Send + Sync + 'static {
     /// How many sagas there are, per definition and state: one row per pair that has any.
     fn counts(&self) -> impl Future<Output = Result<Vec<SagaCount>, sqlx::Error>> + Send;
 
-    /// Sagas finished (completed or compensated) since `since`, per minute of their last
-    /// change and status, oldest first: minutes with none are left out.
+    /// Sagas finished (completed or compensated) since `since`, per minute of their
+    /// finish and status (set by the save that finished each), oldest first: minutes with
+    /// none are left out.
     fn finished_per_minute(
         &self,
         since: DateTime<Utc>,
@@ -315,23 +316,29 @@ macro_rules! saga_columns {
     };
 }
 
-/// Inserts a saga row; binds in `bind_instance!`'s order.
+/// Inserts a saga row; binds in `bind_instance`'s order. A saga inserted finished
+/// gets its `finished_at` as a save that finishes one does (`save_progress!`).
 macro_rules! insert_saga {
     () => {
         concat!(
             "INSERT INTO {schema}.sagabox_saga_instances (",
             saga_columns!(),
-            ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
+            ", finished_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
+             CASE WHEN $3 IN ('completed', 'compensated') THEN $8 END)"
         )
     };
 }
 
 /// Writes a save's progress behind the version fence (`$8`, the version it read).
+/// `finished_at` is set by the save that finishes the saga, and by no other: an index on
+/// a column every save changes would keep every save out of PostgreSQL's heap-only
+/// updates.
 macro_rules! save_progress {
     () => {
         "UPDATE {schema}.sagabox_saga_instances SET status = $2, current_step = $3, attempts = $4, data = $5, \
          updated_at = $6, last_error = $7, parked_reason = $9, deadline_at = $10, \
-         command_round = $11, version = version + 1 WHERE id = $1 AND version = $8"
+         command_round = $11, finished_at = CASE WHEN $2 IN ('completed', 'compensated') THEN $6 END, \
+         version = version + 1 WHERE id = $1 AND version = $8"
     };
 }
 

@@ -134,7 +134,9 @@ impl FloorSql {
             ),
             save_saga: schema.sql(
                 "UPDATE {schema}.sagabox_saga_instances \
-                 SET status = $2, current_step = $3, updated_at = $4, version = version + 1 \
+                 SET status = $2, current_step = $3, updated_at = $4, \
+                 finished_at = CASE WHEN $2 IN ('completed', 'compensated') THEN $4 END, \
+                 version = version + 1 \
                  WHERE id = $1",
             ),
             claim: schema.sql(

@@ -46,9 +46,9 @@ const INSERT_IF_ABSENT: &str = concat!(
 const UPDATE: &str = save_progress!();
 /// Finished sagas per minute (as seconds since the epoch) and status.
 const FINISHED_PER_MINUTE: &str = "SELECT \
-    CAST(floor(extract(epoch FROM updated_at) / 60) * 60 AS BIGINT) AS minute, status, \
+    CAST(floor(extract(epoch FROM finished_at) / 60) * 60 AS BIGINT) AS minute, status, \
     COUNT(*) AS sagas FROM {schema}.sagabox_saga_instances \
-    WHERE status IN ('completed', 'compensated') AND updated_at >= $1 \
+    WHERE finished_at >= $1 \
     GROUP BY 1, 2 ORDER BY 1, 2";
 /// Saves the state and its events in one statement: no event row without the state's
 /// update, which the version fence may refuse.
@@ -76,7 +76,9 @@ const SAVE_BATCH: &str = "WITH input AS (\
 saga AS (UPDATE {schema}.sagabox_saga_instances s SET status = i.status, \
     current_step = i.current_step, attempts = i.attempts, data = i.data, \
     updated_at = i.updated_at, last_error = i.last_error, parked_reason = i.parked_reason, \
-    deadline_at = i.deadline_at, command_round = i.command_round, version = s.version + 1 \
+    deadline_at = i.deadline_at, command_round = i.command_round, \
+    finished_at = CASE WHEN i.status IN ('completed', 'compensated') THEN i.updated_at END, \
+    version = s.version + 1 \
     FROM input i WHERE s.id = i.id AND s.version = i.version \
     RETURNING s.id, s.created_at, s.version, i.events), \
 history AS (INSERT INTO {schema}.sagabox_saga_events (saga_id, saga_created_at, version, \

@@ -23,8 +23,8 @@ const UPDATE: &str = concat!(save_progress!(), " RETURNING version");
 /// Finished sagas per minute (as seconds since the epoch) and status: the stored
 /// timestamps are RFC 3339 text, which `unixepoch` reads.
 const FINISHED_PER_MINUTE: &str = "SELECT \
-    (unixepoch(updated_at) / 60) * 60 AS minute, status, COUNT(*) AS sagas \
-    FROM {schema}.sagabox_saga_instances WHERE status IN ('completed', 'compensated') AND updated_at >= $1 \
+    (unixepoch(finished_at) / 60) * 60 AS minute, status, COUNT(*) AS sagas \
+    FROM {schema}.sagabox_saga_instances WHERE finished_at >= $1 \
     GROUP BY 1, 2 ORDER BY 1, 2";
 const EVENTS: &str = "INSERT INTO {schema}.sagabox_saga_events (saga_id, saga_created_at, \
     version, ordinal, at, kind, step, direction, attempt, duration_ms, detail) \
