@@ -55,6 +55,27 @@ pub trait StepHandler<Db: Database>: Send + Sync + 'static {
         conn: &mut Db::Connection,
         envelope: &Envelope,
     ) -> impl Future<Output = Result<Value, StepError>> + Send;
+
+    /// Applies a batch's fresh commands (in the order they were claimed) together, with
+    /// a few set-based statements instead of a few per command, and answers each, in
+    /// the same order; or returns `None` to have them applied one by one with
+    /// [`handle`](Self::handle), in the batch's transaction (the default).
+    ///
+    /// Only a pool whose commands are claimed in batches calls it. The answers mean what
+    /// `handle`'s do: a [`StepError::Permanent`] refusal is recorded, so a command refused
+    /// must leave no write of its own behind; a [`StepError::Retryable`] in any answer
+    /// rolls the whole batch back, and its commands are then run one by one with
+    /// `handle`. Answering a different number of commands than given fails the batch.
+    /// Take row locks in one order (sorted by key) so that batches never deadlock. A
+    /// handler that wraps another passes this on too, or the wrapped one's sets are lost.
+    fn handle_batch(
+        &self,
+        conn: &mut Db::Connection,
+        envelopes: &[&Envelope],
+    ) -> impl Future<Output = Option<Vec<Result<Value, StepError>>>> + Send {
+        let _ = (conn, envelopes);
+        async { None }
+    }
 }
 
 /// What a step answered. A duplicate delivery gets exactly what the first one got.

@@ -233,6 +233,75 @@ macro_rules! step_suite {
                 pool.stop().await;
             }
 
+            /// [`Handler`], taking batches as a set: it counts the commands of each batch
+            /// it gets and applies them with its own loop.
+            #[derive(Debug, Clone)]
+            struct SetHandler(Handler, Arc<std::sync::Mutex<Vec<usize>>>);
+
+            impl StepHandler<$db> for SetHandler {
+                async fn handle(
+                    &self,
+                    conn: &mut <$db as sqlx::Database>::Connection,
+                    envelope: &Envelope,
+                ) -> Result<Value, StepError> {
+                    self.0.handle(conn, envelope).await
+                }
+
+                async fn handle_batch(
+                    &self,
+                    conn: &mut <$db as sqlx::Database>::Connection,
+                    envelopes: &[&Envelope],
+                ) -> Option<Vec<Result<Value, StepError>>> {
+                    self.1.lock().unwrap().push(envelopes.len());
+                    let mut answers = Vec::new();
+                    for envelope in envelopes {
+                        answers.push(self.0.handle(conn, envelope).await);
+                    }
+                    Some(answers)
+                }
+            }
+
+            /// A handler that takes batches as a set gets each batch's fresh commands at
+            /// once (not the duplicate), its refusal is recorded, and a retry asked for
+            /// by one command rolls the batch back and runs its commands one by one.
+            #[tokio::test]
+            async fn a_set_handler_gets_a_batchs_fresh_commands_at_once() {
+                let fx = <$fixture>::new().await;
+                fx.exec(EFFECTS_DDL).await;
+                let step = TestStep::new();
+                let batches = Arc::new(std::sync::Mutex::new(Vec::new()));
+                let guard = InboxGuard::new(fx.store(3).await, InboxConfig::default()).unwrap();
+                let handler = SetHandler(Handler(step.clone()), batches.clone());
+                let pool = StepPool::spawn(guard, ConsumerType::new("payment").unwrap(), handler, StepPoolConfig { workers: 2 })
+                    .await
+                    .unwrap();
+                let earlier = command("set/earlier", "apply");
+                pool.deliver(earlier.clone(), WAIT).await.unwrap();
+                let answers = pool
+                    .deliver_batch(vec![command("set/a", "apply"), earlier, command("set/r", "refuse")], WAIT)
+                    .await
+                    .unwrap();
+                assert_eq!(*batches.lock().unwrap(), [2], "the two fresh commands, at once");
+                assert_eq!(answers[0], Ok(StepReply { outcome: StepOutcome::Done(json!({"applied": "set/a"})), duplicate: false }));
+                assert_eq!(answers[1], Ok(StepReply { outcome: StepOutcome::Done(json!({"applied": "set/earlier"})), duplicate: true }));
+                assert_eq!(answers[2], Ok(StepReply { outcome: StepOutcome::Refused("out of stock".into()), duplicate: false }));
+                let again = pool.deliver(command("set/r", "refuse"), WAIT).await.unwrap();
+                assert_eq!(again, StepReply { outcome: StepOutcome::Refused("out of stock".into()), duplicate: true });
+                assert_eq!(effects(&fx).await, 2);
+
+                let answers = pool
+                    .deliver_batch(vec![command("set/b", "apply"), command("set/f", "flaky"), command("set/c", "apply")], WAIT)
+                    .await
+                    .unwrap();
+                assert_eq!(*batches.lock().unwrap(), [2, 3]);
+                assert!(matches!(&answers[0], Ok(reply) if !reply.duplicate), "{answers:?}");
+                assert_eq!(answers[1], Err(StepFailure::Retryable("lock timeout".into())));
+                assert!(matches!(&answers[2], Ok(reply) if !reply.duplicate), "{answers:?}");
+                assert_eq!(effects(&fx).await, 4, "the set rolled back; b and c applied once each, one by one");
+                assert_eq!(fx.inbox_rows().await, 5);
+                pool.stop().await;
+            }
+
             /// Stopping the pool (here through its supervision) lets the command a
             /// worker runs finish and be answered, answers the one waiting in the queue
             /// at once (retryable: its sender still holds it), and a pool that stopped

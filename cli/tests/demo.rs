@@ -52,6 +52,23 @@ macro_rules! demo_suite {
                 assert_invariants(&fx).await;
             }
 
+            /// The same faults with each step's commands claimed in batches: the
+            /// participants apply a batch of charges, decrements or confirmations with a
+            /// few statements for the whole batch, and an injected failure rolls the
+            /// batch back to be run one by one; stock and money still come out exact.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn orders_claimed_in_batches_under_faults_keep_every_invariant() {
+                let fx = <$fixture>::new().await;
+                let config = DemoConfig { claim_batch: 16, concurrency: 64, ..faulty(1000) };
+                let summary = run(&fx.url, &config).await.unwrap();
+                assert_eq!(summary.unfinished, 0);
+                assert_eq!(summary.completed + summary.compensated, 1000);
+                assert!(summary.compensated > 50, "declines and stock-outs compensate: {summary:?}");
+                assert_eq!(summary.damage(), 0, "{summary:?}");
+                assert!(summary.retries > 0 && summary.duplicate_replies > 0, "{summary:?}");
+                assert_invariants(&fx).await;
+            }
+
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn without_the_inbox_the_same_run_double_charges() {
                 let fx = <$fixture>::new().await;

@@ -84,14 +84,20 @@ fn failure_of(error: InboxError) -> StepFailure {
     }
 }
 
-/// Runs `handler` and turns its answer into what the inbox records: a result or a
-/// refusal (both committed), or the reason of a retryable failure (rolled back).
+/// Runs `handler` and turns its answer into what the inbox records
+/// ([`record_of_answer`]).
 async fn record_of<Db: sqlx::Database, H: StepHandler<Db>>(
     handler: &H,
     conn: &mut Db::Connection,
     envelope: &Envelope,
 ) -> Result<Value, String> {
-    match handler.handle(conn, envelope).await {
+    record_of_answer(handler.handle(conn, envelope).await)
+}
+
+/// What the inbox records of a handler's answer: a result or a refusal (both
+/// committed), or the reason of a retryable failure (rolled back).
+fn record_of_answer(answer: Result<Value, StepError>) -> Result<Value, String> {
+    match answer {
         Ok(value) => Ok(StepOutcome::Done(value).to_record()),
         Err(StepError::Permanent(reason)) => Ok(StepOutcome::Refused(reason).to_record()),
         Err(StepError::Retryable(reason)) => Err(reason),
@@ -131,20 +137,36 @@ impl<S: InboxStore, H: StepHandler<S::Db>> StepWorker<S, H> {
         }
     }
 
-    /// A batch in one transaction ([`InboxGuard::process_batch`]). When the batch fails
+    /// A batch in one transaction ([`InboxGuard::process_batch_set`]): its fresh commands
+    /// applied together when the handler can ([`StepHandler::handle_batch`]), one by one
+    /// otherwise. When the batch fails
     /// as a whole — a handler asked for a retry, the database failed — it was rolled
     /// back, and its envelopes are run one by one instead, so one bad message costs only
     /// its own answer.
     async fn run_batch(&self, envelopes: &[Envelope]) -> Vec<Result<StepReply, StepFailure>> {
         let (handler, consumer_type) = (&self.handler, &self.consumer_type);
-        // One transaction for the batch, but each handler in the span of its own
-        // command, so each stays in its own saga's trace.
         let processed = self
             .guard
-            .process_batch(&self.consumer_type, envelopes, async |conn, envelope| {
-                record_of::<S::Db, H>(handler, conn, envelope)
-                    .instrument(step_span(consumer_type, envelope))
-                    .await
+            .process_batch_set(&self.consumer_type, envelopes, async |conn, fresh| {
+                let span = tracing::debug_span!(
+                    "step.handle_batch",
+                    consumer_type = %consumer_type,
+                    commands = fresh.len(),
+                );
+                if let Some(answers) = handler.handle_batch(conn, fresh).instrument(span).await {
+                    return answers.into_iter().map(record_of_answer).collect();
+                }
+                // One by one in the batch's transaction, each handler in the span of its
+                // own command, so each stays in its own saga's trace.
+                let mut records = Vec::with_capacity(fresh.len());
+                for envelope in fresh {
+                    records.push(
+                        record_of::<S::Db, H>(handler, conn, envelope)
+                            .instrument(step_span(consumer_type, envelope))
+                            .await?,
+                    );
+                }
+                Ok(records)
             })
             .await;
         match processed {

@@ -4,7 +4,7 @@
 use sagabox::Envelope;
 use sagabox::step::{StepError, StepHandler};
 use serde_json::{Value, json};
-use sqlx::{Encode, Executor, IntoArguments, Type};
+use sqlx::{AssertSqlSafe, Encode, Executor, IntoArguments, Type};
 
 use crate::order::{self, OrderDb, retryable};
 
@@ -43,4 +43,58 @@ where
             other => Err(order::unknown(CONSUMER, other)),
         }
     }
+
+    /// A batch of confirmations with two statements, whatever its size: the orders
+    /// locked, every email inserted. A batch holding anything else goes one by one.
+    async fn handle_batch(
+        &self,
+        conn: &mut DB::Connection,
+        envelopes: &[&Envelope],
+    ) -> Option<Vec<Result<Value, StepError>>> {
+        if envelopes
+            .iter()
+            .any(|envelope| envelope.kind != SEND_CONFIRMATION)
+        {
+            return None;
+        }
+        Some(
+            send_all::<DB>(conn, envelopes)
+                .await
+                .unwrap_or_else(|error| order::all_failed(envelopes.len(), error)),
+        )
+    }
+}
+
+/// Sends a batch's confirmations as [`Email::handle`] sends each.
+async fn send_all<DB: OrderDb>(
+    conn: &mut DB::Connection,
+    envelopes: &[&Envelope],
+) -> Result<Vec<Result<Value, StepError>>, StepError>
+where
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB> + Default,
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+{
+    let order_ids = order::order_ids(envelopes);
+    order::lock_all::<DB>(conn, &order_ids).await?;
+    let mut emails = Vec::new();
+    let answers = order_ids
+        .into_iter()
+        .map(|order_id| {
+            emails.push(json!({ "order_id": order_id? }));
+            Ok(json!({ "email": "confirmation" }))
+        })
+        .collect();
+    if !emails.is_empty() {
+        let insert = format!(
+            "INSERT INTO emails_sent (order_id, template) SELECT x.order_id, 'confirmation' FROM {}",
+            DB::json_rows(&[("order_id", "text")])
+        );
+        sqlx::query(AssertSqlSafe(insert))
+            .bind(Value::Array(emails).to_string().as_str())
+            .execute(&mut *conn)
+            .await
+            .map_err(retryable)?;
+    }
+    Ok(answers)
 }

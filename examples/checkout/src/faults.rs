@@ -52,13 +52,33 @@ impl<Db: sqlx::Database, H: StepHandler<Db>> StepHandler<Db> for FailAfterWrite<
     ) -> Result<Value, StepError> {
         let result = self.inner.handle(conn, envelope).await?;
         if self.fails() {
-            return Err(StepError::Retryable(
-                "injected failure after the write, before commit".into(),
-            ));
+            return Err(StepError::Retryable(INJECTED.into()));
         }
         Ok(result)
     }
+
+    /// The inner handler's batch, each applied command of it failing at `fail_rate`
+    /// after the batch's writes: one failure rolls the whole batch back.
+    async fn handle_batch(
+        &self,
+        conn: &mut Db::Connection,
+        envelopes: &[&Envelope],
+    ) -> Option<Vec<Result<Value, StepError>>> {
+        let answers = self.inner.handle_batch(conn, envelopes).await?;
+        Some(
+            answers
+                .into_iter()
+                .map(|answer| match answer {
+                    Ok(_) if self.fails() => Err(StepError::Retryable(INJECTED.into())),
+                    answer => answer,
+                })
+                .collect(),
+        )
+    }
 }
+
+/// The reason of an injected failure.
+const INJECTED: &str = "injected failure after the write, before commit";
 
 /// A [`Dispatch`] that gives each envelope it passes on a fresh UUIDv7 id when `on`.
 #[derive(Debug)]

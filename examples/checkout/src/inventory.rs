@@ -2,10 +2,12 @@
 //! `inventory` counter with every move in `inventory_moves` (neither is idempotent: the
 //! inbox is what keeps them exact).
 
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
 use sagabox::Envelope;
 use sagabox::step::{StepError, StepHandler};
 use serde_json::{Value, json};
-use sqlx::{ColumnIndex, Decode, Encode, Executor, IntoArguments, Type};
+use sqlx::{AssertSqlSafe, ColumnIndex, Decode, Encode, Executor, IntoArguments, Type};
 
 use crate::order::{self, OrderDb, retryable};
 
@@ -27,6 +29,7 @@ where
     DB::Arguments: IntoArguments<DB> + Default,
     for<'t> &'t str: Encode<'t, DB> + Type<DB>,
     for<'t> i64: Encode<'t, DB> + Decode<'t, DB> + Type<DB>,
+    for<'r> String: Decode<'r, DB> + Type<DB>,
     usize: ColumnIndex<DB::Row>,
 {
     async fn handle(
@@ -105,4 +108,128 @@ where
             other => Err(order::unknown(CONSUMER, other)),
         }
     }
+
+    /// A batch of decrements with five statements, whatever its size: the orders
+    /// locked, the restocks among them read, the stock of their skus read and locked,
+    /// then taken in the batch's order, and every move inserted. A batch holding
+    /// anything else goes one by one.
+    async fn handle_batch(
+        &self,
+        conn: &mut DB::Connection,
+        envelopes: &[&Envelope],
+    ) -> Option<Vec<Result<Value, StepError>>> {
+        if envelopes.iter().any(|envelope| envelope.kind != DECREMENT) {
+            return None;
+        }
+        Some(
+            decrement_all::<DB>(conn, envelopes)
+                .await
+                .unwrap_or_else(|error| order::all_failed(envelopes.len(), error)),
+        )
+    }
+}
+
+/// One decrement of a batch, once its order and payload passed.
+struct Take {
+    order_id: String,
+    sku: String,
+    quantity: i64,
+}
+
+/// Decrements a batch as [`Inventory::handle`] decrements each, in the batch's order: a
+/// restocked order, or a sku with too little left, is refused and takes nothing.
+async fn decrement_all<DB: OrderDb>(
+    conn: &mut DB::Connection,
+    envelopes: &[&Envelope],
+) -> Result<Vec<Result<Value, StepError>>, StepError>
+where
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB> + Default,
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+    for<'t> i64: Encode<'t, DB> + Decode<'t, DB> + Type<DB>,
+    for<'r> String: Decode<'r, DB> + Type<DB>,
+    usize: ColumnIndex<DB::Row>,
+{
+    let order_ids = order::order_ids(envelopes);
+    order::lock_all::<DB>(conn, &order_ids).await?;
+    let restocked = order::having::<DB>(conn, &order_ids, "inventory_moves", "restock").await?;
+    let takes: Vec<Result<Take, StepError>> = envelopes
+        .iter()
+        .zip(order_ids)
+        .map(|(envelope, order_id)| {
+            let order_id = order_id?;
+            if restocked.contains(&order_id) {
+                return Err(StepError::Permanent("order cancelled".into()));
+            }
+            Ok(Take {
+                order_id,
+                sku: order::text(envelope, "sku")?,
+                quantity: order::number(envelope, "quantity")?,
+            })
+        })
+        .collect();
+    let skus: BTreeSet<&str> = takes
+        .iter()
+        .filter_map(|take| take.as_ref().ok().map(|take| take.sku.as_str()))
+        .collect();
+    let sku_rows: Vec<Value> = skus.iter().map(|sku| json!({ "sku": sku })).collect();
+    // Sorted by sku: two batches lock their skus in one order.
+    let read = format!(
+        "SELECT sku, on_hand FROM inventory WHERE sku IN (SELECT x.sku FROM {}) ORDER BY sku{}",
+        DB::json_rows(&[("sku", "text")]),
+        DB::FOR_UPDATE
+    );
+    let mut on_hand: HashMap<String, i64> = sqlx::query_as(AssertSqlSafe(read))
+        .bind(Value::Array(sku_rows).to_string().as_str())
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(retryable)?
+        .into_iter()
+        .collect();
+    let mut taken: BTreeMap<&str, i64> = BTreeMap::new();
+    let mut moves = Vec::new();
+    let answers = takes
+        .iter()
+        .map(|take| {
+            let take = take.as_ref().map_err(Clone::clone)?;
+            match on_hand.get_mut(&take.sku) {
+                Some(left) if *left >= take.quantity => {
+                    *left -= take.quantity;
+                    *taken.entry(take.sku.as_str()).or_default() += take.quantity;
+                    moves.push(json!({
+                        "order_id": take.order_id, "sku": take.sku, "delta": -take.quantity,
+                    }));
+                    Ok(json!({ "sku": take.sku, "taken": take.quantity }))
+                }
+                _ => Err(StepError::Permanent(format!("out of stock: {}", take.sku))),
+            }
+        })
+        .collect();
+    if !moves.is_empty() {
+        let taken: Vec<Value> = taken
+            .into_iter()
+            .map(|(sku, quantity)| json!({ "sku": sku, "taken": quantity }))
+            .collect();
+        let update = format!(
+            "UPDATE inventory SET on_hand = inventory.on_hand - x.taken FROM {} \
+             WHERE inventory.sku = x.sku",
+            DB::json_rows(&[("sku", "text"), ("taken", "bigint")])
+        );
+        sqlx::query(AssertSqlSafe(update))
+            .bind(Value::Array(taken).to_string().as_str())
+            .execute(&mut *conn)
+            .await
+            .map_err(retryable)?;
+        let insert = format!(
+            "INSERT INTO inventory_moves (order_id, sku, delta, kind) \
+             SELECT x.order_id, x.sku, x.delta, 'decrement' FROM {}",
+            DB::json_rows(&[("order_id", "text"), ("sku", "text"), ("delta", "bigint")])
+        );
+        sqlx::query(AssertSqlSafe(insert))
+            .bind(Value::Array(moves).to_string().as_str())
+            .execute(&mut *conn)
+            .await
+            .map_err(retryable)?;
+    }
+    Ok(answers)
 }

@@ -2,10 +2,12 @@
 //! the per-order lock of the databases that need one ([`OrderDb`]), so that each
 //! handler is written once, generic over the database.
 
+use std::collections::{BTreeSet, HashSet};
+
 use sagabox::Envelope;
 use sagabox::step::StepError;
 use serde_json::Value;
-use sqlx::{Encode, Executor, IntoArguments, Type};
+use sqlx::{AssertSqlSafe, ColumnIndex, Decode, Encode, Executor, IntoArguments, Type};
 
 /// One order's commands run one at a time on PostgreSQL: a charge still running when
 /// the orchestrator gave up on it must not interleave with its refund (each would miss
@@ -15,19 +17,133 @@ use sqlx::{Encode, Executor, IntoArguments, Type};
 pub(crate) const LOCK_ORDER_POSTGRES: &str = "SELECT 1 FROM demo_orders WHERE id = $1 FOR UPDATE";
 
 /// A database the participants run on: the statement that locks an order, if it needs
-/// one.
+/// one, and how a batch's rows reach a statement (a JSON array bound as `$1`).
 pub trait OrderDb: sqlx::Database {
     /// The statement that locks order `$1` until the transaction ends, where
     /// commands of one order could otherwise interleave.
     const LOCK_ORDER: Option<&'static str>;
+    /// What a `SELECT` adds to lock the rows it reads until the transaction ends, where
+    /// they could otherwise change under it.
+    const FOR_UPDATE: &'static str;
+
+    /// `$1`, a JSON array of objects, as a table `x` of `columns` (name, SQL type).
+    fn json_rows(columns: &[(&str, &str)]) -> String;
 }
 
 impl OrderDb for sqlx::Postgres {
     const LOCK_ORDER: Option<&'static str> = Some(LOCK_ORDER_POSTGRES);
+    const FOR_UPDATE: &'static str = " FOR UPDATE";
+
+    fn json_rows(columns: &[(&str, &str)]) -> String {
+        let columns: Vec<String> = columns
+            .iter()
+            .map(|(name, sql_type)| format!("{name} {sql_type}"))
+            .collect();
+        format!(
+            "jsonb_to_recordset(CAST($1 AS jsonb)) AS x({})",
+            columns.join(", ")
+        )
+    }
 }
 
 impl OrderDb for sqlx::Sqlite {
     const LOCK_ORDER: Option<&'static str> = None;
+    // Every claim holds the database's one write lock until it commits.
+    const FOR_UPDATE: &'static str = "";
+
+    fn json_rows(columns: &[(&str, &str)]) -> String {
+        let columns: Vec<String> = columns
+            .iter()
+            .map(|(name, _)| format!("json_extract(value, '$.{name}') AS {name}"))
+            .collect();
+        format!("(SELECT {} FROM json_each($1)) AS x", columns.join(", "))
+    }
+}
+
+/// Each command's order id, or the refusal of a command without one.
+pub(crate) fn order_ids(envelopes: &[&Envelope]) -> Vec<Result<String, StepError>> {
+    envelopes
+        .iter()
+        .map(|envelope| text(envelope, "order_id"))
+        .collect()
+}
+
+/// The ids among `order_ids`, as the JSON rows of a batch statement (`{"order_id": …}`),
+/// sorted and without repeats: locks taken in one order never deadlock.
+fn id_rows(order_ids: &[Result<String, StepError>]) -> String {
+    let ids: BTreeSet<&str> = order_ids
+        .iter()
+        .filter_map(|id| id.as_ref().ok().map(String::as_str))
+        .collect();
+    let rows: Vec<Value> = ids
+        .into_iter()
+        .map(|id| serde_json::json!({ "order_id": id }))
+        .collect();
+    Value::Array(rows).to_string()
+}
+
+/// [`lock`] for a batch: where the database needs it, locks every order of
+/// `order_ids`, in id order, until the transaction ends.
+pub(crate) async fn lock_all<DB>(
+    conn: &mut DB::Connection,
+    order_ids: &[Result<String, StepError>],
+) -> Result<(), StepError>
+where
+    DB: OrderDb,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB> + Default,
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+{
+    if DB::LOCK_ORDER.is_none() {
+        return Ok(());
+    }
+    let lock = format!(
+        "SELECT 1 FROM demo_orders WHERE id IN (SELECT x.order_id FROM {}) ORDER BY id{}",
+        DB::json_rows(&[("order_id", "text")]),
+        DB::FOR_UPDATE
+    );
+    sqlx::query(AssertSqlSafe(lock))
+        .bind(id_rows(order_ids).as_str())
+        .execute(&mut *conn)
+        .await
+        .map_err(retryable)?;
+    Ok(())
+}
+
+/// The orders of `order_ids` that have a row of `kind` in `table` already (a
+/// compensation that came first).
+pub(crate) async fn having<DB>(
+    conn: &mut DB::Connection,
+    order_ids: &[Result<String, StepError>],
+    table: &'static str,
+    kind: &'static str,
+) -> Result<HashSet<String>, StepError>
+where
+    DB: OrderDb,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB> + Default,
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+    for<'r> String: Decode<'r, DB> + Type<DB>,
+    usize: ColumnIndex<DB::Row>,
+{
+    let found = format!(
+        "SELECT DISTINCT order_id FROM {table} WHERE kind = $2 \
+         AND order_id IN (SELECT x.order_id FROM {})",
+        DB::json_rows(&[("order_id", "text")])
+    );
+    let found: Vec<String> = sqlx::query_scalar(AssertSqlSafe(found))
+        .bind(id_rows(order_ids).as_str())
+        .bind(kind)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(retryable)?;
+    Ok(found.into_iter().collect())
+}
+
+/// Every command of the batch answered with `error`: a database failure fails them
+/// all (and a retryable one rolls the batch back).
+pub(crate) fn all_failed(count: usize, error: StepError) -> Vec<Result<Value, StepError>> {
+    vec![Err(error); count]
 }
 
 /// Reads the command's order and, where the database needs it, locks the order until

@@ -4,7 +4,7 @@
 use sagabox::Envelope;
 use sagabox::step::{StepError, StepHandler};
 use serde_json::{Value, json};
-use sqlx::{ColumnIndex, Decode, Encode, Executor, IntoArguments, Type};
+use sqlx::{AssertSqlSafe, ColumnIndex, Decode, Encode, Executor, IntoArguments, Type};
 
 use crate::order::{self, OrderDb, retryable};
 
@@ -27,6 +27,7 @@ where
     DB::Arguments: IntoArguments<DB> + Default,
     for<'t> &'t str: Encode<'t, DB> + Type<DB>,
     for<'t> i64: Encode<'t, DB> + Decode<'t, DB> + Type<DB>,
+    for<'r> String: Decode<'r, DB> + Type<DB>,
     usize: ColumnIndex<DB::Row>,
 {
     async fn handle(
@@ -91,4 +92,70 @@ where
             other => Err(order::unknown(CONSUMER, other)),
         }
     }
+
+    /// A batch of charges with three statements, whatever its size: the orders locked,
+    /// the refunds among them read, the charges inserted. A batch holding anything else
+    /// goes one by one.
+    async fn handle_batch(
+        &self,
+        conn: &mut DB::Connection,
+        envelopes: &[&Envelope],
+    ) -> Option<Vec<Result<Value, StepError>>> {
+        if envelopes.iter().any(|envelope| envelope.kind != CHARGE) {
+            return None;
+        }
+        Some(
+            charge_all::<DB>(conn, envelopes)
+                .await
+                .unwrap_or_else(|error| order::all_failed(envelopes.len(), error)),
+        )
+    }
+}
+
+/// Charges a batch as [`Payment::handle`] charges each: a declined card or a refunded
+/// order is refused, and writes nothing.
+async fn charge_all<DB: OrderDb>(
+    conn: &mut DB::Connection,
+    envelopes: &[&Envelope],
+) -> Result<Vec<Result<Value, StepError>>, StepError>
+where
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB> + Default,
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+    for<'r> String: Decode<'r, DB> + Type<DB>,
+    usize: ColumnIndex<DB::Row>,
+{
+    let order_ids = order::order_ids(envelopes);
+    order::lock_all::<DB>(conn, &order_ids).await?;
+    let refunded = order::having::<DB>(conn, &order_ids, "payment_charges", "refund").await?;
+    let mut charges = Vec::new();
+    let answers = envelopes
+        .iter()
+        .zip(order_ids)
+        .map(|(envelope, order_id)| {
+            let order_id = order_id?;
+            if envelope.payload.get("decline").and_then(Value::as_bool) == Some(true) {
+                return Err(StepError::Permanent("card declined".into()));
+            }
+            if refunded.contains(&order_id) {
+                return Err(StepError::Permanent("order cancelled".into()));
+            }
+            let amount = order::number(envelope, "amount_cents")?;
+            charges.push(json!({ "order_id": order_id, "amount_cents": amount }));
+            Ok(json!({ "charged_cents": amount }))
+        })
+        .collect();
+    if !charges.is_empty() {
+        let insert = format!(
+            "INSERT INTO payment_charges (order_id, amount_cents, kind) \
+             SELECT x.order_id, x.amount_cents, 'charge' FROM {}",
+            DB::json_rows(&[("order_id", "text"), ("amount_cents", "bigint")])
+        );
+        sqlx::query(AssertSqlSafe(insert))
+            .bind(Value::Array(charges).to_string().as_str())
+            .execute(&mut *conn)
+            .await
+            .map_err(retryable)?;
+    }
+    Ok(answers)
 }

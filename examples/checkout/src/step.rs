@@ -57,6 +57,18 @@ where
             Self::Email(handler) => handler.handle(conn, envelope).await,
         }
     }
+
+    async fn handle_batch(
+        &self,
+        conn: &mut Db::Connection,
+        envelopes: &[&Envelope],
+    ) -> Option<Vec<Result<Value, StepError>>> {
+        match self {
+            Self::Payment(handler) => handler.handle_batch(conn, envelopes).await,
+            Self::Inventory(handler) => handler.handle_batch(conn, envelopes).await,
+            Self::Email(handler) => handler.handle_batch(conn, envelopes).await,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -205,3 +205,68 @@ async fn a_paced_run_places_its_orders_no_faster_than_its_pace() {
         "placed faster than 10 a second: {summary:?}"
     );
 }
+
+/// A participant takes a batch of its forward command as a set, in the batch's order
+/// (the second decrement finds the stock the first one left, and is refused without a
+/// write), and leaves a batch holding a compensation to be run one by one; the
+/// `CheckoutStep` that names it passes both on.
+#[tokio::test]
+async fn a_batch_of_decrements_is_taken_as_a_set_in_its_order() {
+    use sagabox::step::{StepError, StepHandler};
+    use sagabox::{Envelope, MessageId};
+    use sagabox_checkout::{CheckoutStep, POSTGRES_TABLES};
+    use serde_json::json;
+
+    let fx = common::Pg::new().await;
+    sqlx::raw_sql(POSTGRES_TABLES)
+        .execute(&fx.pool)
+        .await
+        .unwrap();
+    fx.exec(
+        "INSERT INTO demo_orders (id, saga_id, sku, quantity, amount_cents) VALUES \
+         ('o-1', 's-1', 'A', 2, 100), ('o-2', 's-2', 'A', 2, 100); \
+         INSERT INTO inventory (sku, initial, on_hand) VALUES ('A', 3, 3)",
+    )
+    .await;
+    let decrement = |id: &str, order: &str| {
+        let payload = json!({"order_id": order, "sku": "A", "quantity": 2});
+        Envelope::new(MessageId::new(id).unwrap(), "decrement_stock", payload).unwrap()
+    };
+    let (first, second) = (decrement("d-1", "o-1"), decrement("d-2", "o-2"));
+    let step = CheckoutStep::of("inventory").unwrap();
+    let mut conn = fx.pool.acquire().await.unwrap();
+    let answers = StepHandler::<sqlx::Postgres>::handle_batch(&step, &mut conn, &[&first, &second])
+        .await
+        .expect("decrements are taken as a set");
+    assert_eq!(
+        answers,
+        [
+            Ok(json!({"sku": "A", "taken": 2})),
+            Err(StepError::Permanent("out of stock: A".into()))
+        ]
+    );
+    let restock = Envelope::new(
+        MessageId::new("r-1").unwrap(),
+        "restock",
+        json!({"order_id": "o-1", "sku": "A"}),
+    )
+    .unwrap();
+    let mixed =
+        StepHandler::<sqlx::Postgres>::handle_batch(&step, &mut conn, &[&restock, &second]).await;
+    assert!(
+        mixed.is_none(),
+        "a batch with a compensation goes one by one"
+    );
+    drop(conn);
+    assert_eq!(
+        fx.scalar("SELECT on_hand FROM inventory WHERE sku = 'A'")
+            .await,
+        1
+    );
+    assert_eq!(
+        fx.scalar("SELECT COUNT(*) FROM inventory_moves WHERE order_id = 'o-1' AND delta = -2")
+            .await,
+        1
+    );
+    assert_eq!(fx.scalar("SELECT COUNT(*) FROM inventory_moves").await, 1);
+}
