@@ -1,5 +1,6 @@
 //! [`Gather`]: group commit for any operation that can run many items at once (saga
-//! saves in one transaction, step commands claimed together).
+//! saves in one transaction, step commands claimed together, or an application's own
+//! writes: orders placed with their sagas, many per transaction).
 //!
 //! Items submitted while every lane is busy queue up; a lane that comes free takes the
 //! first item waiting and every one queued behind it, up to `max`, runs them as one
@@ -19,7 +20,7 @@ type Waiting<T, R> = (T, oneshot::Sender<R>);
 /// A group-commit queue of items `T` answered with `R`, run by a few lane tasks that end
 /// when the last clone is dropped.
 #[derive(Debug)]
-pub(crate) struct Gather<T, R> {
+pub struct Gather<T, R> {
     queue: mpsc::UnboundedSender<Waiting<T, R>>,
     _lanes: Arc<Lanes>,
 }
@@ -47,8 +48,9 @@ impl Drop for Lanes {
 
 impl<T: Send + 'static, R: Send + 'static> Gather<T, R> {
     /// `lanes` tasks (at least one) running batches of up to `max` items (at least one)
-    /// through `run`, which answers each item of its batch, in order.
-    pub(crate) fn new<F, Fut>(lanes: usize, max: usize, run: F) -> Self
+    /// through `run`, which answers each item of its batch, in order. Call it inside a
+    /// Tokio runtime: the lanes are tasks spawned on it.
+    pub fn new<F, Fut>(lanes: usize, max: usize, run: F) -> Self
     where
         F: Fn(Vec<T>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Vec<R>> + Send + 'static,
@@ -71,7 +73,7 @@ impl<T: Send + 'static, R: Send + 'static> Gather<T, R> {
     /// Stops taking items and waits until the lanes have answered every item queued and
     /// ended, dropping what `run` holds. With other clones alive the lanes go on; they
     /// end with the last one.
-    pub(crate) async fn close(self) {
+    pub async fn close(self) {
         let Self { queue, _lanes } = self;
         drop(queue);
         if let Ok(mut lanes) = Arc::try_unwrap(_lanes) {
@@ -83,7 +85,7 @@ impl<T: Send + 'static, R: Send + 'static> Gather<T, R> {
 
     /// Runs `item` in the next batch and returns its answer; `None` when no answer came
     /// (the lane running it died, or `run` answered fewer items than it was given).
-    pub(crate) async fn submit(&self, item: T) -> Option<R> {
+    pub async fn submit(&self, item: T) -> Option<R> {
         let (answer, answered) = oneshot::channel();
         self.queue.send((item, answer)).ok()?;
         answered.await.ok()

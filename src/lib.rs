@@ -70,6 +70,8 @@
 //!   history and their store, and the operator's retry and cancel.
 //! - [`orchestrator`]: the [`Orchestrator`](orchestrator::Orchestrator) actor — persisted
 //!   state, stable command ids, free retries, compensation, resume.
+//! - [`gather`]: [`Gather`](gather::Gather) — group commit for anything that runs many
+//!   items at once: the orchestrator's saves, a step's claims, a caller's saga starts.
 //! - [`outbox`]: the transactional outbox — rows written in the handler's transaction
 //!   ([`OutboxWriter`](outbox::OutboxWriter)), claimed and marked by the relay.
 //! - [`delivery`]: [`DeliveryHandler`](delivery::DeliveryHandler) and
@@ -153,7 +155,7 @@ pub mod delivery;
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub mod dlq;
 pub mod envelope;
-mod gather;
+pub mod gather;
 pub mod health;
 pub mod inbox;
 pub mod inspect;

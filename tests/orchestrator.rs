@@ -576,6 +576,38 @@ macro_rules! orchestrator_suite {
                 }
             }
 
+            /// Many sagas inserted at once in the caller's transaction: each stored as one
+            /// insert stores it, with its `started` event, a finished one counted as
+            /// finished; rolled back with the transaction, none is.
+            #[tokio::test]
+            async fn sagas_inserted_together_are_stored_as_each_alone_would_be() {
+                let fx = <$fixture>::new().await;
+                let store = fx.store(2).await;
+                let mut sagas: Vec<SagaInstance> = ["all-a", "all-b", "all-c"]
+                    .into_iter()
+                    .map(|id| SagaInstance::new(id, "journey", json!({"id": id}), Utc::now()))
+                    .collect();
+                sagas[2].status = SagaStatus::Completed;
+                let mut tx = store.pool().begin().await.unwrap();
+                store.insert_all(&mut tx, &sagas).await.unwrap();
+                tx.rollback().await.unwrap();
+                assert!(store.load("all-a").await.unwrap().is_none(), "rolled back with the caller");
+
+                let mut tx = store.pool().begin().await.unwrap();
+                store.insert_all(&mut tx, &sagas).await.unwrap();
+                store.insert_all(&mut tx, &[]).await.unwrap();
+                tx.commit().await.unwrap();
+                for saga in &sagas {
+                    let stored = store.load(&saga.id).await.unwrap().unwrap();
+                    assert_eq!((&stored.id, &stored.status, &stored.data, stored.version), (&saga.id, &saga.status, &saga.data, 0));
+                    let kinds: Vec<EventKind> =
+                        store.history(&saga.id).await.unwrap().into_iter().map(|entry| entry.event.kind).collect();
+                    assert_eq!(kinds, [EventKind::Started], "{}", saga.id);
+                }
+                let finished = store.finished_per_minute(Utc::now() - chrono::TimeDelta::hours(1)).await.unwrap();
+                assert_eq!(finished.iter().map(|minute| minute.sagas).sum::<i64>(), 1, "{finished:?}");
+            }
+
             /// Step pools and an orchestrator on `fx`, with faults.
             async fn start(
                 fx: &$fixture,

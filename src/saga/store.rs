@@ -306,6 +306,23 @@ pub trait SagaInsert: SagaStore {
         conn: &mut <Self::SagaDb as Database>::Connection,
         instance: &SagaInstance,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Inserts every saga of `instances` as [`insert`](Self::insert) inserts one, with
+    /// the caller's connection: for a caller that places many sagas in one transaction
+    /// (a group commit of starts). PostgreSQL writes them with one statement; the
+    /// default inserts them one by one.
+    fn insert_all(
+        &self,
+        conn: &mut <Self::SagaDb as Database>::Connection,
+        instances: &[SagaInstance],
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send {
+        async move {
+            for instance in instances {
+                self.insert(&mut *conn, instance).await?;
+            }
+            Ok(())
+        }
+    }
 }
 
 /// The columns of a saga row, in the order every read and insert names them.

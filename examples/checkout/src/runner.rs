@@ -15,6 +15,7 @@ use rand::{RngExt, SeedableRng};
 use sagabox::Schema;
 use sagabox::clock::{Clock, ScaledClock};
 use sagabox::database::{AnyStore, OnStore, Store};
+use sagabox::gather::Gather;
 use sagabox::inbox::{InboxConfig, InboxError, InboxGuard};
 use sagabox::logging::redact;
 use sagabox::month::Month;
@@ -25,12 +26,11 @@ use sagabox::step::StepHandler;
 use sagabox::supervisor::Supervision;
 use sagabox::testing::FaultyDispatch;
 use serde_json::{Value, json};
-use sqlx::{
-    AssertSqlSafe, ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Type,
-};
+use sqlx::{AssertSqlSafe, ColumnIndex, Decode, Encode, Executor, IntoArguments, Pool, Type};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
+use crate::order::OrderDb;
 use crate::schema::CheckoutTables;
 use crate::summary::SUMMARY_SQL;
 use crate::{
@@ -103,6 +103,9 @@ impl Order {
     }
 }
 
+/// The most orders one transaction places.
+const PLACE_BATCH: usize = 64;
+
 /// Stock per sku: about 85 % of the expected demand, so some orders run out.
 fn initial_stock(orders: usize) -> i64 {
     let expected = (orders as f64 * 2.0 / SKUS.len() as f64).ceil();
@@ -112,7 +115,7 @@ fn initial_stock(orders: usize) -> i64 {
 /// The demo's own SQL, written once for both databases: its tables set up for a run,
 /// an order placed with its saga, the damage figures read back. Implemented for every
 /// database sqlx can bind and decode the demo's values on.
-pub(crate) trait DemoDb: CheckoutTables + Database {
+pub(crate) trait DemoDb: CheckoutTables + OrderDb {
     /// Creates the demo's tables if missing and, for a fresh run, resets them, records
     /// the run's size and stocks the inventory; for `resume`, reads the size on record.
     /// Returns the orders still to place.
@@ -131,6 +134,15 @@ pub(crate) trait DemoDb: CheckoutTables + Database {
         saga: &SagaInstance,
     ) -> impl Future<Output = Result<(), DemoError>> + Send;
 
+    /// Inserts many orders with their sagas in one transaction and one commit (two
+    /// statements); if that fails, each order as [`place`](Self::place) does, so one bad
+    /// order fails alone. Answers each, in order.
+    fn place_all<S: SagaInsert<SagaDb = Self>>(
+        pool: &Pool<Self>,
+        store: &S,
+        placed: Vec<(Order, SagaInstance)>,
+    ) -> impl Future<Output = Vec<Result<(), DemoError>>> + Send;
+
     /// The summary's figures ([`SUMMARY_SQL`]) by name.
     fn figures(
         pool: &Pool<Self>,
@@ -140,7 +152,7 @@ pub(crate) trait DemoDb: CheckoutTables + Database {
 
 impl<DB> DemoDb for DB
 where
-    DB: CheckoutTables + Database,
+    DB: CheckoutTables + OrderDb,
     for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
     for<'c> &'c Pool<DB>: Executor<'c, Database = DB>,
     DB::Arguments: IntoArguments<DB> + Default,
@@ -217,6 +229,22 @@ where
         Ok(())
     }
 
+    async fn place_all<S: SagaInsert<SagaDb = DB>>(
+        pool: &Pool<DB>,
+        store: &S,
+        placed: Vec<(Order, SagaInstance)>,
+    ) -> Vec<Result<(), DemoError>> {
+        let (orders, sagas): (Vec<Order>, Vec<SagaInstance>) = placed.into_iter().unzip();
+        if orders.len() > 1 && place_together(pool, store, &orders, &sagas).await.is_ok() {
+            return orders.iter().map(|_| Ok(())).collect();
+        }
+        let mut answers = Vec::with_capacity(orders.len());
+        for (order, saga) in orders.iter().zip(&sagas) {
+            answers.push(Self::place(pool, store, order, saga).await);
+        }
+        answers
+    }
+
     async fn figures(
         pool: &Pool<DB>,
         schema: &Schema,
@@ -230,6 +258,52 @@ where
         }
         Ok(figures)
     }
+}
+
+/// The orders and their sagas in one transaction: the orders with one statement (their
+/// columns as JSON rows), the sagas with [`SagaInsert::insert_all`].
+async fn place_together<DB, S>(
+    pool: &Pool<DB>,
+    store: &S,
+    orders: &[Order],
+    sagas: &[SagaInstance],
+) -> Result<(), DemoError>
+where
+    DB: OrderDb,
+    S: SagaInsert<SagaDb = DB>,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB> + Default,
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+{
+    let rows: Vec<Value> = orders
+        .iter()
+        .zip(sagas)
+        .map(|(order, saga)| {
+            json!({
+                "id": order.id, "saga_id": saga.id, "sku": order.data["sku"],
+                "quantity": order.data["quantity"], "amount_cents": order.data["amount_cents"],
+            })
+        })
+        .collect();
+    let insert = format!(
+        "INSERT INTO demo_orders (id, saga_id, sku, quantity, amount_cents) \
+         SELECT x.id, x.saga_id, x.sku, x.quantity, x.amount_cents FROM {}",
+        DB::json_rows(&[
+            ("id", "text"),
+            ("saga_id", "text"),
+            ("sku", "text"),
+            ("quantity", "bigint"),
+            ("amount_cents", "bigint"),
+        ])
+    );
+    let mut tx = pool.begin().await?;
+    sqlx::query(AssertSqlSafe(insert))
+        .bind(Value::Array(rows).to_string().as_str())
+        .execute(&mut *tx)
+        .await?;
+    store.insert_all(&mut tx, sagas).await?;
+    tx.commit().await?;
+    Ok(())
 }
 
 /// Runs the checkout demo on the database at `url` (`sqlite:…` or `postgres://…`).
@@ -502,6 +576,15 @@ where
         progress.set_length(to_place as u64);
         0
     };
+    // The orders placed while a batch of them commits go together in the next: one
+    // commit for many starts when they come fast, none waiting when they come slowly.
+    let placing = {
+        let (pool, store) = (pool.clone(), actors.guard.store().clone());
+        Gather::new(1, PLACE_BATCH, move |placed: Vec<(Order, SagaInstance)>| {
+            let (pool, store) = (pool.clone(), store.clone());
+            async move { S::Db::place_all(&pool, &store, placed).await }
+        })
+    };
     let permits = Arc::new(tokio::sync::Semaphore::new(config.concurrency));
     let mut rng = StdRng::seed_from_u64(config.seed);
     let mut running = tokio::task::JoinSet::new();
@@ -529,11 +612,14 @@ where
             clock.now(),
         );
         let (orchestrator, progress) = (orchestrator.clone(), progress.clone());
-        let (pool, store) = (pool.clone(), actors.guard.store().clone());
+        let placing = placing.clone();
         // Placed in the saga's own task: placed one after another, the orders' commits
         // would bound the run to one commit at a time.
         running.spawn(async move {
-            S::Db::place(&pool, &store, &order, &saga).await?;
+            placing
+                .submit((order, saga.clone()))
+                .await
+                .unwrap_or_else(|| Err(DemoError::Actor("the placing of orders ended".into())))?;
             // Its driver starts from the saga as placed, without reading it back.
             let done = ractor::call!(orchestrator, OrchestratorMessage::RunStored, Box::new(saga));
             progress.inc(1);

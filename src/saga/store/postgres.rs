@@ -12,7 +12,7 @@ use sqlx::{AssertSqlSafe, Postgres};
 use super::{
     BoundQuery, CREATE_ATTEMPTS, FINISHED_HISTORY, FinishedMinute, HISTORY_PARTITION_PREFIX,
     HistoryPruned, SagaCount, SagaFilter, SagaInsert, SagaSave, SagaSql, SagaStore, Started,
-    bind_instance, bind_progress, command_round, started,
+    bind_instance, bind_progress, command_round, definition_version, started,
 };
 use crate::month::Month;
 use crate::saga::history::{self, HistoryEntry, SagaEvent};
@@ -35,6 +35,20 @@ const INSERT: &str = concat!(
     " RETURNING id, created_at) ",
     pg_started_event!()
 );
+/// [`INSERT`] for many sagas at once, from arrays of each column in `insert_saga!`'s
+/// order.
+const INSERT_ALL: &str = "WITH saga AS (INSERT INTO {schema}.sagabox_saga_instances (\
+    id, saga_name, status, current_step, attempts, data, created_at, updated_at, last_error, \
+    definition_version, parked_reason, deadline_at, command_round, finished_at) \
+    SELECT i.*, CASE WHEN i.status IN ('completed', 'compensated') THEN i.updated_at END \
+    FROM unnest($1::text[], $2::text[], $3::text[], $4::integer[], $5::integer[], $6::jsonb[], \
+        $7::timestamptz[], $8::timestamptz[], $9::text[], $10::integer[], $11::text[], \
+        $12::timestamptz[], $13::integer[]) \
+    AS i(id, saga_name, status, current_step, attempts, data, created_at, updated_at, \
+        last_error, definition_version, parked_reason, deadline_at, command_round) \
+    RETURNING id, created_at, updated_at) \
+INSERT INTO {schema}.sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind) \
+SELECT id, created_at, 0, 0, updated_at, 'started' FROM saga";
 /// [`INSERT`], unless a saga with the id is stored: then neither row is written.
 const INSERT_IF_ABSENT: &str = concat!(
     "WITH saga AS (",
@@ -104,6 +118,42 @@ impl SagaInsert for PostgresStore {
         )
         .execute(&mut *conn)
         .await?;
+        Ok(())
+    }
+
+    async fn insert_all(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        instances: &[SagaInstance],
+    ) -> Result<(), sqlx::Error> {
+        if instances.is_empty() {
+            return Ok(());
+        }
+        let rows = instances;
+        sqlx::query(AssertSqlSafe(self.schema().sql(INSERT_ALL)))
+            .bind(rows.iter().map(|i| i.id.as_str()).collect::<Vec<_>>())
+            .bind(
+                rows.iter()
+                    .map(|i| i.saga_name.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(rows.iter().map(|i| i.status.as_str()).collect::<Vec<_>>())
+            .bind(rows.iter().map(|i| i.current_step).collect::<Vec<_>>())
+            .bind(rows.iter().map(|i| i.attempts).collect::<Vec<_>>())
+            .bind(rows.iter().map(|i| Json(&i.data)).collect::<Vec<_>>())
+            .bind(rows.iter().map(|i| i.created_at).collect::<Vec<_>>())
+            .bind(rows.iter().map(|i| i.updated_at).collect::<Vec<_>>())
+            .bind(
+                rows.iter()
+                    .map(|i| i.last_error.as_deref())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(rows.iter().map(definition_version).collect::<Vec<_>>())
+            .bind(rows.iter().map(|i| i.parked.as_deref()).collect::<Vec<_>>())
+            .bind(rows.iter().map(|i| i.deadline_at).collect::<Vec<_>>())
+            .bind(rows.iter().map(command_round).collect::<Vec<_>>())
+            .execute(&mut *conn)
+            .await?;
         Ok(())
     }
 }
