@@ -657,6 +657,61 @@ fn progress_bar(shown: bool) -> ProgressBar {
 mod tests {
     use super::*;
 
+    /// A batch of orders that cannot be placed together (one repeats a placed order's
+    /// id) is placed order by order: the others are placed with their sagas, the repeat
+    /// fails alone and leaves no saga.
+    #[tokio::test]
+    async fn a_batch_of_orders_that_fails_together_is_placed_order_by_order() {
+        use sagabox::{InboxStore, SqliteStore};
+
+        let path = std::env::temp_dir().join(format!("sagabox-place-{}.db", Uuid::new_v4()));
+        let url = format!("sqlite:{}", path.display());
+        let store = SqliteStore::connect(&url, 2).await.unwrap();
+        store.migrate().await.unwrap();
+        sqlx::raw_sql(crate::SQLITE_TABLES)
+            .execute(store.pool())
+            .await
+            .unwrap();
+        let definition = SagaDefinition::from_toml_str(CHECKOUT_TOML).unwrap();
+        let mut rng = StdRng::seed_from_u64(7);
+        let mut next = || {
+            let order = Order::random(&mut rng, 0.0);
+            let saga = SagaInstance::under(
+                &definition,
+                Uuid::now_v7().to_string(),
+                order.data.clone(),
+                chrono::Utc::now(),
+            );
+            (order, saga)
+        };
+        let (first, first_saga) = next();
+        sqlx::Sqlite::place(store.pool(), &store, &first, &first_saga)
+            .await
+            .unwrap();
+        let (again, mut again_saga) = next();
+        let again = Order {
+            id: first.id.clone(),
+            ..again
+        };
+        again_saga.data = again.data.clone();
+        let batch = vec![next(), (again, again_saga), next()];
+        let answers = sqlx::Sqlite::place_all(store.pool(), &store, batch).await;
+        assert!(answers[0].is_ok() && answers[2].is_ok(), "{answers:?}");
+        assert!(answers[1].is_err(), "{answers:?}");
+        let pool = store.pool();
+        for (sql, expected) in [
+            ("SELECT COUNT(*) FROM demo_orders", 3),
+            ("SELECT COUNT(*) FROM sagabox_saga_instances", 3),
+        ] {
+            let found: i64 = sqlx::query_scalar(sql).fetch_one(pool).await.unwrap();
+            assert_eq!(found, expected, "{sql}");
+        }
+        store.pool().close().await;
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
+    }
+
     #[test]
     fn rates_are_checked() {
         let bad = DemoConfig {
