@@ -65,7 +65,9 @@ pub trait StepHandler<Db: Database>: Send + Sync + 'static {
     /// `handle`'s do: a [`StepError::Permanent`] refusal is recorded, so a command refused
     /// must leave no write of its own behind; a [`StepError::Retryable`] in any answer
     /// rolls the whole batch back, and its commands are then run one by one with
-    /// `handle`. Answering a different number of commands than given fails the batch.
+    /// `handle`. Answering a different number of commands than given is a bug, not
+    /// retried: the batch rolls back and every command of it is answered
+    /// [`StepFailure::Rejected`] ([`InboxError::BatchResultCount`](crate::InboxError)).
     /// Take row locks in one order (sorted by key) so that batches never deadlock. A
     /// handler that wraps another passes this on too, or the wrapped one's sets are lost.
     fn handle_batch(
