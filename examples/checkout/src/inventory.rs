@@ -175,8 +175,8 @@ where
     let sku_rows: Vec<Value> = skus.iter().map(|sku| json!({ "sku": sku })).collect();
     // Sorted by sku: two batches lock their skus in one order.
     let read = format!(
-        "SELECT sku, on_hand FROM inventory WHERE sku IN (SELECT x.sku FROM {}) ORDER BY sku{}",
-        DB::json_rows(&[("sku", "text")]),
+        "SELECT sku, on_hand FROM inventory WHERE {} ORDER BY sku{}",
+        DB::json_in("sku", "sku"),
         DB::FOR_UPDATE
     );
     let mut on_hand: HashMap<String, i64> = sqlx::query_as(AssertSqlSafe(read))
@@ -212,8 +212,9 @@ where
             .collect();
         let update = format!(
             "UPDATE inventory SET on_hand = inventory.on_hand - x.taken FROM {} \
-             WHERE inventory.sku = x.sku",
-            DB::json_rows(&[("sku", "text"), ("taken", "bigint")])
+             WHERE inventory.sku = x.sku AND {}",
+            DB::json_rows(&[("sku", "text"), ("taken", "bigint")]),
+            DB::json_in("inventory.sku", "sku")
         );
         sqlx::query(AssertSqlSafe(update))
             .bind(Value::Array(taken).to_string().as_str())
