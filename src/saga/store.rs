@@ -333,29 +333,45 @@ macro_rules! saga_columns {
     };
 }
 
-/// Inserts a saga row; binds in `bind_instance`'s order. A saga inserted finished
-/// gets its `finished_at` as a save that finishes one does (`save_progress!`).
+/// `finished_at` as every write of a saga row sets it from the row's `status` and
+/// `at` (its `updated_at`): the time of the write that finished the saga, NULL while it
+/// runs. Only the write that finishes a saga changes it, so an index on it keeps no
+/// other save out of PostgreSQL's heap-only updates.
+macro_rules! finished_at {
+    ($status:literal, $at:literal) => {
+        concat!(
+            "CASE WHEN ",
+            $status,
+            " IN ('completed', 'compensated') THEN ",
+            $at,
+            " END"
+        )
+    };
+}
+
+/// Inserts a saga row; binds in `bind_instance`'s order.
 macro_rules! insert_saga {
     () => {
         concat!(
             "INSERT INTO {schema}.sagabox_saga_instances (",
             saga_columns!(),
-            ", finished_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
-             CASE WHEN $3 IN ('completed', 'compensated') THEN $8 END)"
+            ", finished_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, ",
+            finished_at!("$3", "$8"),
+            ")"
         )
     };
 }
 
 /// Writes a save's progress behind the version fence (`$8`, the version it read).
-/// `finished_at` is set by the save that finishes the saga, and by no other: an index on
-/// a column every save changes would keep every save out of PostgreSQL's heap-only
-/// updates.
 macro_rules! save_progress {
     () => {
-        "UPDATE {schema}.sagabox_saga_instances SET status = $2, current_step = $3, attempts = $4, data = $5, \
-         updated_at = $6, last_error = $7, parked_reason = $9, deadline_at = $10, \
-         command_round = $11, finished_at = CASE WHEN $2 IN ('completed', 'compensated') THEN $6 END, \
-         version = version + 1 WHERE id = $1 AND version = $8"
+        concat!(
+            "UPDATE {schema}.sagabox_saga_instances SET status = $2, current_step = $3, attempts = $4, data = $5, \
+             updated_at = $6, last_error = $7, parked_reason = $9, deadline_at = $10, \
+             command_round = $11, finished_at = ",
+            finished_at!("$2", "$6"),
+            ", version = version + 1 WHERE id = $1 AND version = $8"
+        )
     };
 }
 

@@ -4,7 +4,7 @@
 use sagabox::Envelope;
 use sagabox::step::{StepError, StepHandler};
 use serde_json::{Value, json};
-use sqlx::{AssertSqlSafe, Encode, Executor, IntoArguments, Type};
+use sqlx::{Encode, Executor, IntoArguments, Type};
 
 use crate::order::{self, OrderDb, retryable};
 
@@ -51,17 +51,12 @@ where
         conn: &mut DB::Connection,
         envelopes: &[&Envelope],
     ) -> Option<Vec<Result<Value, StepError>>> {
-        if envelopes
-            .iter()
-            .any(|envelope| envelope.kind != SEND_CONFIRMATION)
-        {
-            return None;
-        }
-        Some(
-            send_all::<DB>(conn, envelopes)
-                .await
-                .unwrap_or_else(|error| order::all_failed(envelopes.len(), error)),
+        order::as_set(
+            envelopes,
+            SEND_CONFIRMATION,
+            send_all::<DB>(conn, envelopes),
         )
+        .await
     }
 }
 
@@ -85,16 +80,10 @@ where
             Ok(json!({ "email": "confirmation" }))
         })
         .collect();
-    if !emails.is_empty() {
-        let insert = format!(
-            "INSERT INTO emails_sent (order_id, template) SELECT x.order_id, 'confirmation' FROM {}",
-            DB::json_rows(&[("order_id", "text")])
-        );
-        sqlx::query(AssertSqlSafe(insert))
-            .bind(Value::Array(emails).to_string().as_str())
-            .execute(&mut *conn)
-            .await
-            .map_err(retryable)?;
-    }
+    let insert = format!(
+        "INSERT INTO emails_sent (order_id, template) SELECT x.order_id, 'confirmation' FROM {}",
+        DB::json_rows(&[("order_id", "text")])
+    );
+    order::execute_rows::<DB>(conn, insert, emails).await?;
     Ok(answers)
 }

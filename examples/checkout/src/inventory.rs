@@ -118,14 +118,7 @@ where
         conn: &mut DB::Connection,
         envelopes: &[&Envelope],
     ) -> Option<Vec<Result<Value, StepError>>> {
-        if envelopes.iter().any(|envelope| envelope.kind != DECREMENT) {
-            return None;
-        }
-        Some(
-            decrement_all::<DB>(conn, envelopes)
-                .await
-                .unwrap_or_else(|error| order::all_failed(envelopes.len(), error)),
-        )
+        order::as_set(envelopes, DECREMENT, decrement_all::<DB>(conn, envelopes)).await
     }
 }
 
@@ -205,32 +198,22 @@ where
             }
         })
         .collect();
-    if !moves.is_empty() {
-        let taken: Vec<Value> = taken
-            .into_iter()
-            .map(|(sku, quantity)| json!({ "sku": sku, "taken": quantity }))
-            .collect();
-        let update = format!(
-            "UPDATE inventory SET on_hand = inventory.on_hand - x.taken FROM {} \
-             WHERE inventory.sku = x.sku AND {}",
-            DB::json_rows(&[("sku", "text"), ("taken", "bigint")]),
-            DB::json_in("inventory.sku", "sku")
-        );
-        sqlx::query(AssertSqlSafe(update))
-            .bind(Value::Array(taken).to_string().as_str())
-            .execute(&mut *conn)
-            .await
-            .map_err(retryable)?;
-        let insert = format!(
-            "INSERT INTO inventory_moves (order_id, sku, delta, kind) \
-             SELECT x.order_id, x.sku, x.delta, 'decrement' FROM {}",
-            DB::json_rows(&[("order_id", "text"), ("sku", "text"), ("delta", "bigint")])
-        );
-        sqlx::query(AssertSqlSafe(insert))
-            .bind(Value::Array(moves).to_string().as_str())
-            .execute(&mut *conn)
-            .await
-            .map_err(retryable)?;
-    }
+    let taken: Vec<Value> = taken
+        .into_iter()
+        .map(|(sku, quantity)| json!({ "sku": sku, "taken": quantity }))
+        .collect();
+    let update = format!(
+        "UPDATE inventory SET on_hand = inventory.on_hand - x.taken FROM {} \
+         WHERE inventory.sku = x.sku AND {}",
+        DB::json_rows(&[("sku", "text"), ("taken", "bigint")]),
+        DB::json_in("inventory.sku", "sku")
+    );
+    order::execute_rows::<DB>(conn, update, taken).await?;
+    let insert = format!(
+        "INSERT INTO inventory_moves (order_id, sku, delta, kind) \
+         SELECT x.order_id, x.sku, x.delta, 'decrement' FROM {}",
+        DB::json_rows(&[("order_id", "text"), ("sku", "text"), ("delta", "bigint")])
+    );
+    order::execute_rows::<DB>(conn, insert, moves).await?;
     Ok(answers)
 }

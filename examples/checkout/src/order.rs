@@ -3,6 +3,7 @@
 //! handler is written once, generic over the database.
 
 use std::collections::{BTreeSet, HashSet};
+use std::future::Future;
 
 use sagabox::Envelope;
 use sagabox::step::StepError;
@@ -157,10 +158,46 @@ where
     Ok(found.into_iter().collect())
 }
 
-/// Every command of the batch answered with `error`: a database failure fails them
-/// all (and a retryable one rolls the batch back).
-pub(crate) fn all_failed(count: usize, error: StepError) -> Vec<Result<Value, StepError>> {
-    vec![Err(error); count]
+/// A handler's batch taken as a set by `apply` when every command is `kind`, and `None`
+/// (one by one) when the batch holds anything else. A batch whose `apply` failed is
+/// answered with that error for every command: a retryable one rolls the batch back.
+pub(crate) async fn as_set(
+    envelopes: &[&Envelope],
+    kind: &str,
+    apply: impl Future<Output = Result<Vec<Result<Value, StepError>>, StepError>>,
+) -> Option<Vec<Result<Value, StepError>>> {
+    if envelopes.iter().any(|envelope| envelope.kind != kind) {
+        return None;
+    }
+    Some(
+        apply
+            .await
+            .unwrap_or_else(|error| vec![Err(error); envelopes.len()]),
+    )
+}
+
+/// Runs `sql` with `rows` bound as `$1`, the JSON array it reads through
+/// [`OrderDb::json_rows`]; runs nothing when there are no rows.
+pub(crate) async fn execute_rows<DB>(
+    conn: &mut DB::Connection,
+    sql: String,
+    rows: Vec<Value>,
+) -> Result<(), StepError>
+where
+    DB: OrderDb,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB> + Default,
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+{
+    if rows.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(AssertSqlSafe(sql))
+        .bind(Value::Array(rows).to_string().as_str())
+        .execute(&mut *conn)
+        .await
+        .map_err(retryable)?;
+    Ok(())
 }
 
 /// Reads the command's order and, where the database needs it, locks the order until

@@ -4,7 +4,7 @@
 use sagabox::Envelope;
 use sagabox::step::{StepError, StepHandler};
 use serde_json::{Value, json};
-use sqlx::{AssertSqlSafe, ColumnIndex, Decode, Encode, Executor, IntoArguments, Type};
+use sqlx::{ColumnIndex, Decode, Encode, Executor, IntoArguments, Type};
 
 use crate::order::{self, OrderDb, retryable};
 
@@ -101,14 +101,7 @@ where
         conn: &mut DB::Connection,
         envelopes: &[&Envelope],
     ) -> Option<Vec<Result<Value, StepError>>> {
-        if envelopes.iter().any(|envelope| envelope.kind != CHARGE) {
-            return None;
-        }
-        Some(
-            charge_all::<DB>(conn, envelopes)
-                .await
-                .unwrap_or_else(|error| order::all_failed(envelopes.len(), error)),
-        )
+        order::as_set(envelopes, CHARGE, charge_all::<DB>(conn, envelopes)).await
     }
 }
 
@@ -145,17 +138,11 @@ where
             Ok(json!({ "charged_cents": amount }))
         })
         .collect();
-    if !charges.is_empty() {
-        let insert = format!(
-            "INSERT INTO payment_charges (order_id, amount_cents, kind) \
-             SELECT x.order_id, x.amount_cents, 'charge' FROM {}",
-            DB::json_rows(&[("order_id", "text"), ("amount_cents", "bigint")])
-        );
-        sqlx::query(AssertSqlSafe(insert))
-            .bind(Value::Array(charges).to_string().as_str())
-            .execute(&mut *conn)
-            .await
-            .map_err(retryable)?;
-    }
+    let insert = format!(
+        "INSERT INTO payment_charges (order_id, amount_cents, kind) \
+         SELECT x.order_id, x.amount_cents, 'charge' FROM {}",
+        DB::json_rows(&[("order_id", "text"), ("amount_cents", "bigint")])
+    );
+    order::execute_rows::<DB>(conn, insert, charges).await?;
     Ok(answers)
 }

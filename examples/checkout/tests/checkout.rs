@@ -270,3 +270,35 @@ async fn a_batch_of_decrements_is_taken_as_a_set_in_its_order() {
     );
     assert_eq!(fx.scalar("SELECT COUNT(*) FROM inventory_moves").await, 1);
 }
+
+/// On PostgreSQL a batch's orders are found through the primary key, not by reading the
+/// whole table: the planner guesses a set-returning function at a hundred rows and, on a
+/// table of some thousands, would rather scan it than look a hundred keys up.
+#[tokio::test]
+async fn a_batchs_orders_are_found_through_the_index() {
+    use sagabox_checkout::{OrderDb, POSTGRES_TABLES};
+
+    let fx = common::Pg::new().await;
+    sqlx::raw_sql(POSTGRES_TABLES)
+        .execute(&fx.pool)
+        .await
+        .unwrap();
+    fx.exec(
+        "INSERT INTO demo_orders (id, saga_id, sku, quantity, amount_cents) \
+         SELECT 'o-' || n, 's-' || n, 'A', 1, 100 FROM generate_series(1, 20000) n; \
+         ANALYZE demo_orders",
+    )
+    .await;
+    let explain = format!(
+        "EXPLAIN SELECT 1 FROM demo_orders WHERE {}",
+        <sqlx::Postgres as OrderDb>::json_in("id", "order_id")
+    );
+    let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(explain))
+        .bind(r#"[{"order_id": "o-1"}, {"order_id": "o-2"}, {"order_id": "o-3"}]"#)
+        .fetch_all(&fx.pool)
+        .await
+        .unwrap();
+    let plan = plan.join("\n");
+    assert!(plan.contains("demo_orders_pkey"), "{plan}");
+    assert!(!plan.contains("Seq Scan on demo_orders"), "{plan}");
+}

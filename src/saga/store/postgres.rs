@@ -35,20 +35,21 @@ const INSERT: &str = concat!(
     " RETURNING id, created_at) ",
     pg_started_event!()
 );
-/// [`INSERT`] for many sagas at once, from arrays of each column in `insert_saga!`'s
+/// [`INSERT`] for many sagas at once, from arrays of each column in `saga_columns!`'s
 /// order.
-const INSERT_ALL: &str = "WITH saga AS (INSERT INTO {schema}.sagabox_saga_instances (\
-    id, saga_name, status, current_step, attempts, data, created_at, updated_at, last_error, \
-    definition_version, parked_reason, deadline_at, command_round, finished_at) \
-    SELECT i.*, CASE WHEN i.status IN ('completed', 'compensated') THEN i.updated_at END \
-    FROM unnest($1::text[], $2::text[], $3::text[], $4::integer[], $5::integer[], $6::jsonb[], \
-        $7::timestamptz[], $8::timestamptz[], $9::text[], $10::integer[], $11::text[], \
-        $12::timestamptz[], $13::integer[]) \
-    AS i(id, saga_name, status, current_step, attempts, data, created_at, updated_at, \
-        last_error, definition_version, parked_reason, deadline_at, command_round) \
-    RETURNING id, created_at, updated_at) \
-INSERT INTO {schema}.sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind) \
-SELECT id, created_at, 0, 0, updated_at, 'started' FROM saga";
+const INSERT_ALL: &str = concat!(
+    "WITH saga AS (INSERT INTO {schema}.sagabox_saga_instances (",
+    saga_columns!(),
+    ", finished_at) SELECT i.*, ",
+    finished_at!("i.status", "i.updated_at"),
+    " FROM unnest($1::text[], $2::text[], $3::text[], $4::integer[], $5::integer[], \
+        $6::jsonb[], $7::timestamptz[], $8::timestamptz[], $9::text[], $10::integer[], \
+        $11::text[], $12::timestamptz[], $13::integer[]) AS i(",
+    saga_columns!(),
+    ") RETURNING id, created_at, updated_at) \
+    INSERT INTO {schema}.sagabox_saga_events (saga_id, saga_created_at, version, ordinal, at, kind) \
+    SELECT id, created_at, 0, 0, updated_at, 'started' FROM saga"
+);
 /// [`INSERT`], unless a saga with the id is stored: then neither row is written.
 const INSERT_IF_ABSENT: &str = concat!(
     "WITH saga AS (",
@@ -80,10 +81,9 @@ const SAVE: &str = concat!(
 
 /// Saves a batch of sagas in one statement: each row's state fenced by its version, as
 /// [`SAVE`] fences one, and each written row's events inserted with it; returns the ids
-/// of the rows written. `s.id = ANY($1)` repeats the join's condition for the planner,
-/// which otherwise reads the whole table (a hash join) for a batch of a few dozen on a
-/// table of a few thousand rows.
-const SAVE_BATCH: &str = "WITH input AS (\
+/// of the rows written.
+const SAVE_BATCH: &str = concat!(
+    "WITH input AS (\
     SELECT * FROM unnest($1::text[], $2::text[], $3::integer[], $4::integer[], $5::jsonb[], \
         $6::timestamptz[], $7::text[], $8::bigint[], $9::text[], $10::timestamptz[], \
         $11::integer[], $12::jsonb[]) \
@@ -92,10 +92,10 @@ const SAVE_BATCH: &str = "WITH input AS (\
 saga AS (UPDATE {schema}.sagabox_saga_instances s SET status = i.status, \
     current_step = i.current_step, attempts = i.attempts, data = i.data, \
     updated_at = i.updated_at, last_error = i.last_error, parked_reason = i.parked_reason, \
-    deadline_at = i.deadline_at, command_round = i.command_round, \
-    finished_at = CASE WHEN i.status IN ('completed', 'compensated') THEN i.updated_at END, \
-    version = s.version + 1 \
-    FROM input i WHERE s.id = i.id AND s.version = i.version AND s.id = ANY($1) \
+    deadline_at = i.deadline_at, command_round = i.command_round, finished_at = ",
+    finished_at!("i.status", "i.updated_at"),
+    ", version = s.version + 1 \
+    FROM input i WHERE s.id = i.id AND s.version = i.version \
     RETURNING s.id, s.created_at, s.version, i.events), \
 history AS (INSERT INTO {schema}.sagabox_saga_events (saga_id, saga_created_at, version, \
         ordinal, at, kind, step, direction, attempt, duration_ms, detail) \
@@ -104,7 +104,8 @@ history AS (INSERT INTO {schema}.sagabox_saga_events (saga_id, saga_created_at, 
     FROM saga CROSS JOIN jsonb_to_recordset(saga.events) AS e(ordinal integer, \
         at timestamptz, kind text, step text, direction text, attempt integer, \
         duration_ms bigint, detail text)) \
-SELECT id FROM saga";
+SELECT id FROM saga"
+);
 
 impl SagaInsert for PostgresStore {
     type SagaDb = sqlx::Postgres;
